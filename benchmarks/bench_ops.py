@@ -1,0 +1,169 @@
+"""Microbenchmarks of kvflow's core ops against the eager PyTorch composite a user would
+otherwise write (the same lines as Hugging Face transformers' LlamaRMSNorm.forward,
+apply_rotary_pos_emb and act_fn(gate) * up), measured in the same run.
+
+    python benchmarks/bench_ops.py                          # CPU, bfloat16, default grid
+    python benchmarks/bench_ops.py --device cuda --tokens 1 256 4096
+    python benchmarks/bench_ops.py --markdown docs/ops.md   # also write the table
+
+Each row: median time of kvflow and of the composite, kvflow's achieved bandwidth (bytes the op
+must read and write / time), and the speedup (composite time / kvflow time).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvflow
+from kvflow import ops
+
+
+def timed(fn, device: str, warmup: int, repeat: int) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# --- the eager composites (Hugging Face transformers' formulations) -------------------------
+
+
+def hf_rms_norm(hidden_states, weight, eps):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+def hf_add_rms_norm(x, residual, weight, eps):
+    residual = x + residual
+    return hf_rms_norm(residual, weight, eps), residual
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def hf_rotary(q, k, cos_table, sin_table, positions):
+    cos = cos_table[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+    sin = sin_table[positions].unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def hf_silu_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def hf_gelu_tanh_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# --- one case per op ------------------------------------------------------------------------
+
+
+def cases(num_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype, device):
+    """Yields (op, shape, bytes moved, kvflow fn, composite fn)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, dtype=dtype, device=device)
+    out = torch.empty_like(x)
+    shape = f"{num_tokens}x{hidden}"
+    yield ("rms_norm", shape, 2 * x.numel() * esize,
+           lambda: ops.rms_norm(x, weight, 1e-6, out=out), lambda: hf_rms_norm(x, weight, 1e-6))
+    yield ("fused_add_rms_norm", shape, 4 * x.numel() * esize,
+           lambda: ops.fused_add_rms_norm(x, residual, weight, 1e-6),
+           lambda: hf_add_rms_norm(x, residual, weight, 1e-6))
+
+    gate_up = torch.randn(num_tokens, 2 * hidden, dtype=dtype, device=device)
+    act_out = torch.empty(num_tokens, hidden, dtype=dtype, device=device)
+    yield ("silu_and_mul", f"{num_tokens}x{hidden}", 3 * act_out.numel() * esize,
+           lambda: ops.silu_and_mul(gate_up, out=act_out), lambda: hf_silu_and_mul(gate_up))
+    yield ("gelu_tanh_and_mul", f"{num_tokens}x{hidden}", 3 * act_out.numel() * esize,
+           lambda: ops.gelu_tanh_and_mul(gate_up, out=act_out), lambda: hf_gelu_tanh_and_mul(gate_up))
+
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    positions = torch.randint(0, 4096, (num_tokens,), device=device)
+    cos_sin = ops.compute_cos_sin_cache(head_dim, 4096, device=device)
+    cos_half, sin_half = cos_sin.chunk(2, dim=-1)
+    cos_table = torch.cat([cos_half, cos_half], -1).to(dtype)
+    sin_table = torch.cat([sin_half, sin_half], -1).to(dtype)
+    yield ("rotary_embedding", f"{num_tokens}x{num_heads}x{head_dim} q+k", 4 * q.numel() * esize,
+           lambda: ops.rotary_embedding(positions, q, k, head_dim, cos_sin, True),
+           lambda: hf_rotary(q, k, cos_table, sin_table, positions))
+
+    block_size, num_kv = 16, max(num_heads // 4, 1)
+    kv = torch.randn(num_tokens, num_kv, head_dim, dtype=dtype, device=device)
+    num_blocks = (num_tokens + block_size - 1) // block_size * 2
+    key_cache = torch.zeros(num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+
+    def torch_cache_write():
+        key_cache.view(-1, num_kv, head_dim)[slots] = kv
+        value_cache.view(-1, num_kv, head_dim)[slots] = kv
+
+    yield ("reshape_and_cache", f"{num_tokens}x{num_kv}x{head_dim} k+v", 4 * kv.numel() * esize,
+           lambda: ops.reshape_and_cache(kv, kv, key_cache, value_cache, slots), torch_cache_write)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 1024])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[2048])
+    parser.add_argument("--heads", type=int, default=16, help="query (and key) heads for rotary_embedding")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ops", nargs="*", default=None, help="only these ops")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    args = parser.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    where = args.device if args.device == "cuda" else f"cpu ({ops.cpu_isa()}, {torch.get_num_threads()} threads)"
+    header = [
+        f"kvflow {kvflow.__version__} op benchmark, torch {torch.__version__}, {where}, {args.dtype}",
+        "",
+        "| op | shape | kvflow (us) | torch composite (us) | kvflow GB/s | speedup |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    print("\n".join(header), flush=True)
+    rows = []
+    for hidden in args.hidden:
+        for num_tokens in args.tokens:
+            for name, shape, nbytes, ours, theirs in cases(num_tokens, hidden, args.heads, args.head_dim, dtype,
+                                                          args.device):
+                if args.ops and name not in args.ops:
+                    continue
+                t_ours = timed(ours, args.device, args.warmup, args.repeat)
+                t_theirs = timed(theirs, args.device, args.warmup, args.repeat)
+                row = (f"| {name} | {shape} | {t_ours * 1e6:.1f} | {t_theirs * 1e6:.1f} | "
+                       f"{nbytes / t_ours / 1e9:.1f} | {t_theirs / t_ours:.2f}x |")
+                rows.append(row)
+                print(row, flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(header + rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

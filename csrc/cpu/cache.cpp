@@ -1,0 +1,72 @@
+// reshape_and_cache and copy_blocks on the CPU: plain copies of whole token rows and whole
+// blocks. Slot and block indices are read and range-checked before anything is written, so a
+// bad index leaves the cache untouched.
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "op_checks.h"
+#include "ops.h"
+
+namespace kvflow::cpu {
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu(), "key must be a CPU tensor, got ", key.device());
+  const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < g.num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < g.num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside [-1, ", g.num_slots, ") (num_blocks * block_size; -1 skips the token)");
+  }
+  const int64_t elem = key.element_size();
+  const int64_t row_bytes = g.token_elems * elem;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  at::parallel_for(0, g.num_tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t t = begin; t < end; ++t) {
+                       if (slots[t] < 0) continue;
+                       std::memcpy(kc + slots[t] * row_bytes, k + t * g.key_stride * elem, row_bytes);
+                       std::memcpy(vc + slots[t] * row_bytes, v + t * g.value_stride * elem, row_bytes);
+                     }
+                   });
+}
+
+void copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                 const at::Tensor& block_mapping) {
+  const CopyBlocksGeometry g = check_copy_blocks_args(key_caches, value_caches, block_mapping);
+  if (key_caches.empty() || g.num_pairs == 0) return;
+  TORCH_CHECK(key_caches[0].device().is_cpu(), "key_caches must be CPU tensors, got ", key_caches[0].device());
+  const int64_t* pairs = block_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < 2 * g.num_pairs; ++i) {
+    TORCH_CHECK(pairs[i] >= 0 && pairs[i] < g.num_blocks, "block_mapping[", i / 2, "][", i % 2, "] = ", pairs[i],
+                " is not a block id in [0, ", g.num_blocks, ")");
+  }
+  // The copies run in parallel, so each destination must be written once and read by no pair.
+  std::vector<char> role(g.num_blocks, 0);  // 1: some pair's source, 2: some pair's destination
+  for (int64_t p = 0; p < g.num_pairs; ++p) role[pairs[2 * p]] |= 1;
+  for (int64_t p = 0; p < g.num_pairs; ++p) {
+    const int64_t dst = pairs[2 * p + 1];
+    TORCH_CHECK(role[dst] == 0, "block_mapping[", p, "]: destination block ", dst,
+                " is also a source or another pair's destination");
+    role[dst] = 2;
+  }
+  const int64_t block_bytes = g.block_elems * key_caches[0].element_size();
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  // One task per (layer, key/value, pair); copies into distinct dst blocks are independent.
+  at::parallel_for(0, num_layers * 2 * g.num_pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t pair = task % g.num_pairs;
+      const int64_t cache_index = task / g.num_pairs;
+      const at::Tensor& cache = cache_index % 2 == 0 ? key_caches[cache_index / 2] : value_caches[cache_index / 2];
+      char* base = static_cast<char*>(cache.data_ptr());
+      std::memcpy(base + pairs[2 * pair + 1] * block_bytes, base + pairs[2 * pair] * block_bytes, block_bytes);
+    }
+  });
+}
+
+}  // namespace kvflow::cpu

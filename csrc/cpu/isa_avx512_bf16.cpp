@@ -1,0 +1,41 @@
+// The CPU kernels compiled for AVX-512 (F, BW, VL, DQ) plus the BF16 extension, whose one
+// conversion instruction replaces the eight-instruction rounding of bfloat16 stores. Headers
+// shared with the baseline code are included before the target pragma so that only this file's
+// own functions use these features.
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/vec_scalar.h"
+#include "kvflow/numeric.h"
+
+#if defined(__x86_64__)
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+
+#include "kvflow/cpu/kernels.h"
+#include "kvflow/cpu/vec_avx512_bf16.h"
+
+namespace kvflow::cpu {
+
+const KernelTable& avx512_bf16_kernels() {
+  static const KernelTable table = make_kernel_table<VecAvx512Bf16>("avx512_bf16");
+  return table;
+}
+
+}  // namespace kvflow::cpu
+
+#pragma GCC pop_options
+
+#else  // not x86-64: never selected (supported_isas() does not list it)
+
+namespace kvflow::cpu {
+const KernelTable& avx512_bf16_kernels() { return scalar_kernels(); }
+}  // namespace kvflow::cpu
+
+#endif

@@ -1,0 +1,213 @@
+// The CPU kernels, written once over a vector type V (VecScalar, VecAvx2, VecAvx512) and an
+// element type T (float, float16, bfloat16). Every load widens to float32 and every store
+// rounds once, so all three instruction sets compute the same float32 math; only the order of
+// the sum-of-squares reduction differs.
+//
+// Everything here sits in an unnamed namespace: each instruction-set translation unit gets its
+// own private copies, compiled for its own target, so the linker can never substitute an
+// AVX-512 body for a baseline one (which would crash older CPUs).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/vec_scalar.h"
+#include "kvflow/numeric.h"
+
+namespace kvflow::cpu {
+namespace {
+
+template <class V, typename T>
+float sum_of_squares(const T* x, int64_t n) {
+  constexpr int W = V::kWidth;
+  typename V::Reg acc0 = V::zero(), acc1 = V::zero();
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const auto a = V::load(x + i);
+    const auto b = V::load(x + i + W);
+    acc0 = V::fmadd(a, a, acc0);
+    acc1 = V::fmadd(b, b, acc1);
+  }
+  for (; i + W <= n; i += W) {
+    const auto a = V::load(x + i);
+    acc0 = V::fmadd(a, a, acc0);
+  }
+  float sum = V::reduce_add(V::add(acc0, acc1));
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// out[i] = x[i] * scale * (weight[i] + weight_offset)
+template <class V, typename T>
+void scale_by_weight(T* out, const T* x, const T* weight, int64_t n, float scale, float weight_offset) {
+  constexpr int W = V::kWidth;
+  const auto vscale = V::set1(scale);
+  const auto voffset = V::set1(weight_offset);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto w = V::add(V::load(weight + i), voffset);
+    V::store(out + i, V::mul(V::mul(V::load(x + i), vscale), w));
+  }
+  for (; i < n; ++i) {
+    out[i] = from_float<T>(to_float(x[i]) * scale * (to_float(weight[i]) + weight_offset));
+  }
+}
+
+template <class V, typename T>
+void rms_norm(void* out, int64_t out_stride, const void* input, int64_t in_stride, const void* weight,
+              int64_t hidden, float eps, float weight_offset, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* x = static_cast<const T*>(input) + r * in_stride;
+    T* y = static_cast<T*>(out) + r * out_stride;
+    const float scale = 1.f / std::sqrt(sum_of_squares<V>(x, hidden) / float(hidden) + eps);
+    scale_by_weight<V>(y, x, static_cast<const T*>(weight), hidden, scale, weight_offset);
+  }
+}
+
+// residual = round(x + residual) first, then the norm of the rounded residual, so the result
+// equals an unfused add followed by rms_norm in the same dtype.
+template <class V, typename T>
+void fused_add_rms_norm(void* input, int64_t in_stride, void* residual, int64_t res_stride,
+                        const void* weight, int64_t hidden, float eps, float weight_offset, int64_t begin,
+                        int64_t end) {
+  constexpr int W = V::kWidth;
+  for (int64_t r = begin; r < end; ++r) {
+    T* x = static_cast<T*>(input) + r * in_stride;
+    T* res = static_cast<T*>(residual) + r * res_stride;
+    int64_t i = 0;
+    for (; i + W <= hidden; i += W) V::store(res + i, V::add(V::load(x + i), V::load(res + i)));
+    for (; i < hidden; ++i) res[i] = from_float<T>(to_float(x[i]) + to_float(res[i]));
+    const float scale = 1.f / std::sqrt(sum_of_squares<V>(res, hidden) / float(hidden) + eps);
+    scale_by_weight<V>(x, res, static_cast<const T*>(weight), hidden, scale, weight_offset);
+  }
+}
+
+// NeoX style: x[i] and x[i + half] form a pair.
+template <class V, typename T, typename C>
+void rotate_neox(T* x, const C* cos, const C* sin, int64_t half) {
+  constexpr int W = V::kWidth;
+  int64_t i = 0;
+  for (; i + W <= half; i += W) {
+    const auto c = V::load(cos + i);
+    const auto s = V::load(sin + i);
+    const auto x1 = V::load(x + i);
+    const auto x2 = V::load(x + half + i);
+    V::store(x + i, V::sub(V::mul(x1, c), V::mul(x2, s)));
+    V::store(x + half + i, V::fmadd(x1, s, V::mul(x2, c)));
+  }
+  for (; i < half; ++i) {
+    const float c = to_float(cos[i]), s = to_float(sin[i]);
+    const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+    x[i] = from_float<T>(x1 * c - x2 * s);
+    x[half + i] = from_float<T>(x2 * c + x1 * s);
+  }
+}
+
+// GPT-J style: x[2i] and x[2i + 1] form a pair. Interleaved pairs do not map onto plain vector
+// loads; this layout is rare in Llama-family checkpoints, so it stays scalar.
+template <typename T, typename C>
+void rotate_gptj(T* x, const C* cos, const C* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = to_float(cos[i]), s = to_float(sin[i]);
+    const float x1 = to_float(x[2 * i]), x2 = to_float(x[2 * i + 1]);
+    x[2 * i] = from_float<T>(x1 * c - x2 * s);
+    x[2 * i + 1] = from_float<T>(x2 * c + x1 * s);
+  }
+}
+
+template <class V, typename T, typename C>
+void rotate_heads(T* token, int64_t num_heads, int64_t head_size, const C* cos, const C* sin, int64_t half,
+                  bool is_neox) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* x = token + h * head_size;
+    if (is_neox) {
+      rotate_neox<V>(x, cos, sin, half);
+    } else {
+      rotate_gptj(x, cos, sin, half);
+    }
+  }
+}
+
+template <class V, typename T, typename C>
+void rotary_embedding(const RotaryArgs& a, int64_t begin, int64_t end) {
+  const int64_t half = a.rotary_dim / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const C* cos = static_cast<const C*>(a.cos_sin) + a.positions[t] * a.rotary_dim;
+    const C* sin = cos + half;
+    rotate_heads<V>(static_cast<T*>(a.query) + t * a.q_stride, a.num_q_heads, a.head_size, cos, sin, half,
+                    a.is_neox);
+    if (a.key != nullptr) {
+      rotate_heads<V>(static_cast<T*>(a.key) + t * a.k_stride, a.num_kv_heads, a.head_size, cos, sin, half,
+                      a.is_neox);
+    }
+  }
+}
+
+struct Silu {
+  template <class V>
+  static typename V::Reg apply(typename V::Reg x) {
+    return V::mul(x, V::reciprocal(V::add(V::set1(1.f), V::exp(V::mul(x, V::set1(-1.f))))));
+  }
+};
+
+// 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), computed as x * sigmoid(2u):
+// the same value, one exp and one reciprocal, and exact zeros/identities in both tails.
+struct GeluTanh {
+  template <class V>
+  static typename V::Reg apply(typename V::Reg x) {
+    const auto x3 = V::mul(V::mul(x, x), x);
+    const auto minus_2u = V::mul(V::set1(-2.f * 0.7978845608028654f), V::fmadd(V::set1(0.044715f), x3, x));
+    return V::mul(x, V::reciprocal(V::add(V::set1(1.f), V::exp(minus_2u))));
+  }
+};
+
+template <class V, class Act, typename T>
+void gated_activation(void* out, int64_t out_stride, const void* input, int64_t in_stride, int64_t d,
+                      int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = static_cast<const T*>(input) + r * in_stride;
+    const T* up = gate + d;
+    T* y = static_cast<T*>(out) + r * out_stride;
+    int64_t i = 0;
+    for (; i + W <= d; i += W) {
+      V::store(y + i, V::mul(Act::template apply<V>(V::load(gate + i)), V::load(up + i)));
+    }
+    for (; i < d; ++i) {
+      const float g = Act::template apply<VecScalar>(to_float(gate[i]));
+      y[i] = from_float<T>(g * to_float(up[i]));
+    }
+  }
+}
+
+template <class V>
+KernelTable make_kernel_table(const char* isa) {
+  KernelTable t{};
+  t.isa = isa;
+  t.rms_norm[int(DType::kFloat32)] = rms_norm<V, float>;
+  t.rms_norm[int(DType::kFloat16)] = rms_norm<V, float16>;
+  t.rms_norm[int(DType::kBFloat16)] = rms_norm<V, bfloat16>;
+  t.fused_add_rms_norm[int(DType::kFloat32)] = fused_add_rms_norm<V, float>;
+  t.fused_add_rms_norm[int(DType::kFloat16)] = fused_add_rms_norm<V, float16>;
+  t.fused_add_rms_norm[int(DType::kBFloat16)] = fused_add_rms_norm<V, bfloat16>;
+  t.rotary_embedding[int(DType::kFloat32)][0] = rotary_embedding<V, float, float>;
+  t.rotary_embedding[int(DType::kFloat32)][1] = rotary_embedding<V, float, float>;
+  t.rotary_embedding[int(DType::kFloat16)][0] = rotary_embedding<V, float16, float>;
+  t.rotary_embedding[int(DType::kFloat16)][1] = rotary_embedding<V, float16, float16>;
+  t.rotary_embedding[int(DType::kBFloat16)][0] = rotary_embedding<V, bfloat16, float>;
+  t.rotary_embedding[int(DType::kBFloat16)][1] = rotary_embedding<V, bfloat16, bfloat16>;
+  t.silu_and_mul[int(DType::kFloat32)] = gated_activation<V, Silu, float>;
+  t.silu_and_mul[int(DType::kFloat16)] = gated_activation<V, Silu, float16>;
+  t.silu_and_mul[int(DType::kBFloat16)] = gated_activation<V, Silu, bfloat16>;
+  t.gelu_tanh_and_mul[int(DType::kFloat32)] = gated_activation<V, GeluTanh, float>;
+  t.gelu_tanh_and_mul[int(DType::kFloat16)] = gated_activation<V, GeluTanh, float16>;
+  t.gelu_tanh_and_mul[int(DType::kBFloat16)] = gated_activation<V, GeluTanh, bfloat16>;
+  return t;
+}
+
+}  // namespace
+}  // namespace kvflow::cpu

@@ -1,0 +1,247 @@
+// Argument checks shared by the CPU and CUDA implementations: dtypes, devices and shapes, each
+// failure naming the argument. They read no tensor data (the CPU path checks values itself;
+// CUDA kernels never synchronise with the host to do so). Each returns the geometry the
+// kernels need.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <vector>
+
+#include "kvflow/numeric.h"
+
+namespace kvflow {
+
+inline DType kernel_dtype(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " has dtype ", t.scalar_type(), " but ", ref_name,
+              " has dtype ", ref.scalar_type());
+}
+
+inline void check_index_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but the data is on ", ref.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A tensor [..., width] seen as rows: the last dimension has unit stride and the leading ones
+// collapse into one row stride (a contiguous tensor, or a slice of the columns of one).
+struct RowView {
+  int64_t rows;
+  int64_t width;
+  int64_t stride;
+};
+
+inline RowView row_view(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 1, name, " must have at least one dimension");
+  const int64_t width = t.size(-1);
+  TORCH_CHECK(width == 1 || t.stride(-1) == 1, name, " must have unit stride in its last dimension, got strides ",
+              t.strides());
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  int64_t stride = width;
+  if (t.dim() >= 2) {
+    stride = t.stride(-2);
+    for (int64_t d = t.dim() - 3; d >= 0; --d) {
+      TORCH_CHECK(t.size(d) == 1 || t.stride(d) == t.stride(d + 1) * t.size(d + 1), name,
+                  "'s leading dimensions must collapse into rows (strides ", t.strides(), ", sizes ", t.sizes(), ")");
+    }
+  }
+  return {rows, width, stride};
+}
+
+struct NormGeometry {
+  RowView x;       // input (rms_norm) or input (fused_add_rms_norm)
+  RowView y;       // out (rms_norm) or residual (fused_add_rms_norm)
+  DType dtype;
+};
+
+inline NormGeometry check_norm_args(const at::Tensor& x, const char* x_name, const at::Tensor& y, const char* y_name,
+                                    const at::Tensor& weight, double epsilon) {
+  const DType dtype = kernel_dtype(x, x_name);
+  check_like(y, y_name, x, x_name);
+  check_like(weight, "weight", x, x_name);
+  TORCH_CHECK(y.sizes() == x.sizes(), y_name, " has shape ", y.sizes(), " but ", x_name, " has shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must have shape [", x.size(-1), "], got ",
+              weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
+  TORCH_CHECK(epsilon > 0, "epsilon must be positive, got ", epsilon);
+  return {row_view(x, x_name), row_view(y, y_name), dtype};
+}
+
+struct RotaryGeometry {
+  int64_t num_tokens;
+  int64_t num_q_heads;
+  int64_t q_stride;
+  int64_t num_kv_heads;  // 0 when there is no key
+  int64_t k_stride;
+  int64_t rotary_dim;
+  int64_t max_position;
+  DType dtype;
+  bool cache_is_float32;
+};
+
+// query/key: [num_tokens, num_heads * head_size] or [num_tokens, num_heads, head_size], each
+// token's heads packed, the token stride free (views into a merged QKV output are fine).
+inline int64_t rotary_heads(const at::Tensor& t, const char* name, int64_t num_tokens, int64_t head_size,
+                            int64_t* token_stride) {
+  TORCH_CHECK(t.dim() == 2 || t.dim() == 3, name, " must be [num_tokens, num_heads * head_size] or ",
+              "[num_tokens, num_heads, head_size], got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == num_tokens, name, " has ", t.size(0), " tokens but positions has ", num_tokens);
+  const int64_t features = t.dim() == 2 ? t.size(1) : t.size(1) * t.size(2);
+  TORCH_CHECK(t.dim() == 2 || t.size(2) == head_size, name, "'s last dimension ", t.size(-1),
+              " is not head_size ", head_size);
+  TORCH_CHECK(features % head_size == 0, name, "'s ", features, " features are not a multiple of head_size ",
+              head_size);
+  TORCH_CHECK(t.stride(-1) == 1 && (t.dim() == 2 || t.stride(1) == head_size), name,
+              " must hold each token's heads packed (unit inner stride), got strides ", t.strides());
+  *token_stride = t.stride(0);
+  return features / head_size;
+}
+
+inline RotaryGeometry check_rotary_args(const at::Tensor& positions, const at::Tensor& query,
+                                        const std::optional<at::Tensor>& key, int64_t head_size,
+                                        const at::Tensor& cos_sin_cache) {
+  RotaryGeometry g{};
+  g.dtype = kernel_dtype(query, "query");
+  check_index_tensor(positions, "positions", at::kLong, query);
+  TORCH_CHECK(positions.dim() == 1, "positions must be 1-D [num_tokens], got shape ", positions.sizes());
+  TORCH_CHECK(head_size > 0, "head_size must be positive, got ", head_size);
+  g.num_tokens = positions.size(0);
+  g.num_q_heads = rotary_heads(query, "query", g.num_tokens, head_size, &g.q_stride);
+  if (key.has_value()) {
+    check_like(*key, "key", query, "query");
+    g.num_kv_heads = rotary_heads(*key, "key", g.num_tokens, head_size, &g.k_stride);
+  }
+  TORCH_CHECK(cos_sin_cache.device() == query.device(), "cos_sin_cache is on ", cos_sin_cache.device(),
+              " but query is on ", query.device());
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == query.scalar_type(),
+              "cos_sin_cache must be float32 or query's dtype ", query.scalar_type(), ", got ",
+              cos_sin_cache.scalar_type());
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be a contiguous [max_position, rotary_dim] tensor, got shape ", cos_sin_cache.sizes());
+  g.rotary_dim = cos_sin_cache.size(1);
+  g.max_position = cos_sin_cache.size(0);
+  TORCH_CHECK(g.rotary_dim > 0 && g.rotary_dim % 2 == 0 && g.rotary_dim <= head_size,
+              "cos_sin_cache's rotary_dim ", g.rotary_dim, " must be even and at most head_size ", head_size);
+  g.cache_is_float32 = cos_sin_cache.scalar_type() == at::kFloat;
+  return g;
+}
+
+struct GatedGeometry {
+  RowView in;
+  RowView out;
+  DType dtype;
+};
+
+inline GatedGeometry check_gated_args(const at::Tensor& out, const at::Tensor& input) {
+  const DType dtype = kernel_dtype(input, "input");
+  check_like(out, "out", input, "input");
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, "input's last dimension must be 2 * d (gate, up), got ",
+              input.sizes());
+  auto expected = input.sizes().vec();
+  expected.back() /= 2;
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(expected), "out must have shape ", at::IntArrayRef(expected), ", got ",
+              out.sizes());
+  return {row_view(input, "input"), row_view(out, "out"), dtype};
+}
+
+struct CacheGeometry {
+  int64_t num_tokens;
+  int64_t key_stride;    // token stride of key, in elements
+  int64_t value_stride;  // token stride of value, in elements
+  int64_t num_slots;     // num_blocks * block_size
+  int64_t token_elems;   // num_kv_heads * head_dim
+};
+
+// One token's heads packed ([num_kv_heads, head_dim] contiguous), the token stride free.
+inline int64_t kv_token_stride(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3, name, " must be [num_tokens, num_kv_heads, head_dim], got shape ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)), name,
+              " must hold each token's heads packed, got strides ", t.strides());
+  return t.stride(0);
+}
+
+inline void check_cache_tensor(const at::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+}
+
+inline CacheGeometry check_reshape_and_cache_args(const at::Tensor& key, const at::Tensor& value,
+                                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                  const at::Tensor& slot_mapping) {
+  kernel_dtype(key, "key");
+  check_like(value, "value", key, "key");
+  check_like(key_cache, "key_cache", key, "key");
+  check_like(value_cache, "value_cache", key, "key");
+  check_cache_tensor(key_cache, "key_cache");
+  check_cache_tensor(value_cache, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
+              " but key_cache has shape ", key_cache.sizes());
+  CacheGeometry g{};
+  g.key_stride = kv_token_stride(key, "key");
+  g.value_stride = kv_token_stride(value, "value");
+  TORCH_CHECK(value.sizes() == key.sizes(), "value has shape ", value.sizes(), " but key has shape ", key.sizes());
+  TORCH_CHECK(key.size(1) == key_cache.size(2), "key has ", key.size(1), " kv heads but key_cache has ",
+              key_cache.size(2));
+  TORCH_CHECK(key.size(2) == key_cache.size(3), "key's head_dim ", key.size(2), " differs from key_cache's head_dim ",
+              key_cache.size(3));
+  check_index_tensor(slot_mapping, "slot_mapping", at::kLong, key);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0), "slot_mapping must be [",
+              key.size(0), "] (one slot per token), got shape ", slot_mapping.sizes());
+  g.num_tokens = key.size(0);
+  g.num_slots = key_cache.size(0) * key_cache.size(1);
+  g.token_elems = key.size(1) * key.size(2);
+  return g;
+}
+
+struct CopyBlocksGeometry {
+  int64_t num_pairs;
+  int64_t num_blocks;
+  int64_t block_elems;  // block_size * num_kv_heads * head_dim
+};
+
+inline CopyBlocksGeometry check_copy_blocks_args(const std::vector<at::Tensor>& key_caches,
+                                                 const std::vector<at::Tensor>& value_caches,
+                                                 const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches has ", key_caches.size(),
+              " layers but value_caches has ", value_caches.size());
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+              "block_mapping must be [num_pairs, 2] (src, dst), got shape ", block_mapping.sizes());
+  CopyBlocksGeometry g{block_mapping.size(0), 0, 0};
+  if (key_caches.empty()) return g;
+  const at::Tensor& first = key_caches[0];
+  kernel_dtype(first, "key_caches[0]");
+  check_cache_tensor(first, "key_caches[0]");
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    for (const at::Tensor* cache : {&key_caches[i], &value_caches[i]}) {
+      const char* name = cache == &key_caches[i] ? "key_caches" : "value_caches";
+      check_like(*cache, name, first, "key_caches[0]");
+      check_cache_tensor(*cache, name);
+      TORCH_CHECK(cache->sizes() == first.sizes(), name, "[", i, "] has shape ", cache->sizes(),
+                  " but key_caches[0] has shape ", first.sizes());
+    }
+  }
+  check_index_tensor(block_mapping, "block_mapping", at::kLong, first);
+  g.num_blocks = first.size(0);
+  g.block_elems = first[0].numel();
+  return g;
+}
+
+}  // namespace kvflow

@@ -1,0 +1,167 @@
+// The whole op surface of kvflow in one place: every schema of the `kvflow` torch library,
+// the CPU and CUDA implementations registered against it, and the pybind11 classes of the
+// kvflow._C module. `Tensor!` marks what an op writes; ops that write into caller-allocated
+// tensors return ().
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/library.h>
+
+#include <stdexcept>
+
+#include "block_allocator.h"
+#include "kvflow/cpu/kernel_table.h"
+#include "ops.h"
+
+TORCH_LIBRARY(kvflow, m) {
+  // out = input * rsqrt(mean(input^2, -1) + epsilon) * (weight + weight_offset), float32 math.
+  // weight_offset = 1.0 gives the Gemma convention.
+  m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon, float weight_offset=0.0) -> ()");
+  // residual += input; input = rms_norm(residual) (residual rounded to its dtype first).
+  m.def(
+      "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
+      "float weight_offset=0.0) -> ()");
+  // Rotates query and key in place by the angles cos_sin_cache[positions] (cos half, then sin half).
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, "
+      "bool is_neox) -> ()");
+  // out = act(input[..., :d]) * input[..., d:]
+  m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()");
+  // key_cache[slot // block_size, slot % block_size] = key[token] for every token whose slot != -1.
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
+      "Tensor slot_mapping) -> ()");
+  // For every (src, dst) row of block_mapping, in every layer: cache[dst] = cache[src].
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
+  m.impl("rms_norm", &kvflow::cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &kvflow::cpu::fused_add_rms_norm);
+  m.impl("rotary_embedding", &kvflow::cpu::rotary_embedding);
+  m.impl("silu_and_mul", &kvflow::cpu::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &kvflow::cpu::gelu_tanh_and_mul);
+  m.impl("reshape_and_cache", &kvflow::cpu::reshape_and_cache);
+  m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
+}
+
+#ifdef KVFLOW_WITH_CUDA
+TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
+  m.impl("rms_norm", &kvflow::cuda::rms_norm);
+  m.impl("fused_add_rms_norm", &kvflow::cuda::fused_add_rms_norm);
+  m.impl("rotary_embedding", &kvflow::cuda::rotary_embedding);
+  m.impl("silu_and_mul", &kvflow::cuda::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &kvflow::cuda::gelu_tanh_and_mul);
+  m.impl("reshape_and_cache", &kvflow::cuda::reshape_and_cache);
+  m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
+}
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kvflow's compiled core: importing it registers the torch.ops.kvflow ops.";
+#ifdef KVFLOW_WITH_CUDA
+  m.attr("built_with_cuda") = true;
+#else
+  m.attr("built_with_cuda") = false;
+#endif
+
+  m.def("supported_cpu_isas", &kvflow::cpu::supported_isas,
+        "Instruction sets the CPU kernels can use on this machine, narrowest first.");
+  m.def(
+      "cpu_isa", [] { return std::string(kvflow::cpu::active_kernels().isa); },
+      "The instruction set the CPU kernels use now.");
+  m.def("set_cpu_isa", &kvflow::cpu::set_isa, py::arg("name"),
+        "Switch the CPU kernels to 'scalar', 'avx2' or 'avx512' (must be supported here).");
+
+  // The KV block pool the scheduler drives every step; see block_allocator.h for the semantics.
+  using kvflow::BlockAllocator;
+  using BlockIds = std::vector<BlockAllocator::BlockId>;
+  py::register_exception<kvflow::OutOfBlocksError>(m, "OutOfBlocksError", PyExc_RuntimeError);
+  py::class_<BlockAllocator> block_allocator(m, "BlockAllocator", R"doc(
+A pool of KV cache block ids 0..num_blocks-1 with reference counts and a prefix cache.
+
+A block is used (ref_count > 0), evictable (ref_count 0 but cached: lookup() can still find it;
+allocate() reuses it only when no free block is left, least recently released first) or free.
+num_free_blocks counts free + evictable, so num_free_blocks + num_used_blocks == num_blocks.
+
+Errors raise before anything changes:
+  IndexError        a block id outside [0, num_blocks)
+  ValueError        double free; fork or register_block of a block not in use; len(token_ids) !=
+                    block_size; re-registering a cached block with other content; allocate(n)
+                    with n < 0 or n > num_blocks (it could never succeed)
+  OutOfBlocksError  (a RuntimeError) allocate(n) when fewer than n blocks are allocatable now
+Not thread-safe.)doc");
+  block_allocator.attr("ROOT_HASH") = py::int_(BlockAllocator::kRootHash);  // parent_hash of a first block
+  block_allocator.def(py::init<int64_t, int64_t>(), py::arg("num_blocks"), py::arg("block_size"))
+      .def_static(
+          "hash_block",
+          [](uint64_t parent_hash, const std::vector<int32_t>& token_ids) {
+            return BlockAllocator::chain_hash(parent_hash, token_ids.data(), token_ids.size());
+          },
+          py::arg("parent_hash"), py::arg("token_ids"),
+          "The chained hash register_block() returns for this parent hash and these tokens.")
+      .def("allocate", &BlockAllocator::allocate, py::arg("n"),
+           "n distinct block ids, each with ref_count 1: free blocks first, then evictable ones, least "
+           "recently released first (their cache entries are dropped). All or nothing.")
+      .def("can_allocate", &BlockAllocator::can_allocate, py::arg("n"), "Whether allocate(n) would succeed.")
+      .def("free", py::overload_cast<BlockAllocator::BlockId>(&BlockAllocator::free), py::arg("block_ids"),
+           "Drops one reference per id (an int or a list; an id may repeat up to its ref_count). A list is "
+           "released last to first, so freeing a block table makes its tail the first to be evicted. A "
+           "cached block at ref_count 0 stays findable by lookup() until the pool reuses it.")
+      .def("free", py::overload_cast<const BlockIds&>(&BlockAllocator::free), py::arg("block_ids"))
+      .def("fork", &BlockAllocator::fork, py::arg("block_ids"),
+           "Adds one reference per id, to share blocks (e.g. a prompt's, for parallel sampling); each must "
+           "be in use.")
+      .def("register_block", &BlockAllocator::register_block, py::arg("block_id"), py::arg("parent_hash"),
+           py::arg("token_ids"),
+           "Caches the used, full block block_id as holding token_ids (len == block_size) after the prefix "
+           "whose last block hash is parent_hash (ROOT_HASH for a first block). Returns the block's hash, "
+           "the parent_hash of the next block. If another block already caches this content, that entry "
+           "stays and block_id stays uncached (the hash is returned all the same).")
+      .def("lookup", &BlockAllocator::lookup, py::arg("token_ids"),
+           "The block ids caching the longest prefix of the full blocks of token_ids (a trailing partial "
+           "block is ignored), stopping at the first miss; each gets one more reference, to be freed like "
+           "allocated ones. Stored tokens and parent hashes are compared, so a hash collision can only "
+           "miss. Adds the number of full blocks to stats()['queries'] and of returned ones to 'hits'.")
+      .def("reset_prefix_cache", &BlockAllocator::reset_prefix_cache,
+           "Drops the cache entries of all evictable blocks (they become free); used blocks keep theirs. "
+           "Returns the number of entries dropped.")
+      .def("ref_count", &BlockAllocator::ref_count, py::arg("block_id"), "The block's reference count.")
+      .def("is_cached", &BlockAllocator::is_cached, py::arg("block_id"),
+           "Whether the block has a prefix cache entry (lookup() can find it).")
+      .def_property_readonly("block_size", &BlockAllocator::block_size, "Tokens per block.")
+      .def_property_readonly("num_blocks", &BlockAllocator::num_blocks, "Blocks in the pool.")
+      .def_property_readonly("num_free_blocks", &BlockAllocator::num_free_blocks,
+                             "Blocks allocate() can hand out: free plus evictable (cached, unused).")
+      .def_property_readonly("num_used_blocks", &BlockAllocator::num_used_blocks, "Blocks with ref_count > 0.")
+      .def_property_readonly("num_cached_blocks", &BlockAllocator::num_cached_blocks,
+                             "Blocks with a prefix cache entry, used or evictable.")
+      .def_property_readonly("num_evictable_blocks", &BlockAllocator::num_evictable_blocks,
+                             "Cached blocks with ref_count 0 (counted in num_free_blocks).")
+      .def(
+          "stats",
+          [](const BlockAllocator& self) {
+            const BlockAllocator::Stats s = self.stats();
+            py::dict d;
+            d["free"] = s.free;
+            d["used"] = s.used;
+            d["cached"] = s.cached;
+            d["hits"] = s.hits;
+            d["queries"] = s.queries;
+            return d;
+          },
+          "{'free', 'used', 'cached'}: block counts as the properties above; {'hits', 'queries'}: blocks "
+          "returned by and full blocks passed to lookup() since construction (hit rate = hits / queries).")
+      .def("check_invariants", &BlockAllocator::check_invariants,
+           "Walks every internal structure (O(num_blocks)); raises RuntimeError if any is inconsistent. "
+           "For tests.")
+      .def("__repr__", [](const BlockAllocator& self) {
+        return "BlockAllocator(num_blocks=" + std::to_string(self.num_blocks()) +
+               ", block_size=" + std::to_string(self.block_size()) +
+               ", free=" + std::to_string(self.num_free_blocks()) +
+               ", used=" + std::to_string(self.num_used_blocks()) +
+               ", cached=" + std::to_string(self.num_cached_blocks()) + ")";
+      });
+}

@@ -1,0 +1,37 @@
+"""Python wrappers over torch.ops.kvflow, one module per topic (mirroring csrc/)."""
+
+from kvflow import _C
+from kvflow.ops.activation import gelu_tanh_and_mul, silu_and_mul
+from kvflow.ops.cache import copy_blocks, reshape_and_cache
+from kvflow.ops.norm import fused_add_rms_norm, rms_norm
+from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
+
+
+def supported_cpu_isas() -> list[str]:
+    """Instruction sets the CPU kernels can use on this machine, narrowest first."""
+    return _C.supported_cpu_isas()
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use now (KVFLOW_CPU_ISA picks it at start-up)."""
+    return _C.cpu_isa()
+
+
+def set_cpu_isa(name: str) -> None:
+    """Switch the CPU kernels to 'scalar', 'avx2' or 'avx512'; raises ValueError if unsupported."""
+    _C.set_cpu_isa(name)
+
+
+__all__ = [
+    "compute_cos_sin_cache",
+    "copy_blocks",
+    "cpu_isa",
+    "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "set_cpu_isa",
+    "silu_and_mul",
+    "supported_cpu_isas",
+]

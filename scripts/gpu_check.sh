@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU check, for a machine with a CUDA GPU, a CUDA build of torch and no network:
+# builds kvflow from source for sm_90a, runs the test suite (its CUDA cases included) and the
+# CUDA op benchmarks, and writes a short report.
+#
+#   bash scripts/gpu_check.sh [REPORT_DIR]     (default: $OUT, else ./gpu-report)
+#
+# Designed to finish in well under 8 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report_dir=${1:-${OUT:-gpu-report}}
+mkdir -p "$report_dir"
+report="$report_dir/report.md"
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export KVFLOW_CUDA=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+
+step() {  # step NAME COMMAND...: runs it with a log, records status and time in the report
+  local name=$1
+  shift
+  local start=$SECONDS
+  "$@" > "$report_dir/$name.log" 2>&1
+  local status=$?
+  echo "| $name | $([ $status -eq 0 ] && echo ok || echo "FAILED ($status)") | $((SECONDS - start)) s |" >> "$report"
+  return $status
+}
+
+{
+  echo "# kvflow GPU check"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' 2>&1
+  echo '```'
+  echo
+  echo "| step | result | time |"
+  echo "|---|---|---|"
+} > "$report"
+
+step build "$python" -m pip install --no-build-isolation --no-deps -v -e . || { cat "$report"; exit 1; }
+step import "$python" -c 'import kvflow, torch; assert kvflow._C.built_with_cuda; print(torch.ops.kvflow.rms_norm)'
+step tests_cuda "$python" -m pytest -q -x tests -k "cuda or Cuda or CUDA"
+step tests_all "$python" -m pytest -q tests
+step bench_ops_cuda "$python" benchmarks/bench_ops.py --device cuda --tokens 1 256 4096 --hidden 4096 \
+  --markdown "$report_dir/bench_ops_cuda.md"
+
+{
+  echo
+  echo "## pytest (CUDA cases)"
+  echo '```'
+  tail -n 15 "$report_dir/tests_cuda.log"
+  echo '```'
+  echo "## pytest (whole suite)"
+  echo '```'
+  tail -n 5 "$report_dir/tests_all.log"
+  echo '```'
+  echo "## op benchmarks"
+  cat "$report_dir/bench_ops_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_ops_cuda.log"
+} >> "$report"
+cat "$report"

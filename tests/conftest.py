@@ -1,0 +1,40 @@
+"""Shared fixtures: where the ops run (each CPU instruction set, and CUDA when present) and the
+tolerances per dtype."""
+
+import pytest
+import torch
+
+import kvflow
+
+CPU_ISAS = kvflow.ops.supported_cpu_isas()
+TARGETS = [f"cpu:{isa}" for isa in CPU_ISAS] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# Outputs are rounded once from float32 math, so the error against a float32 reference is half
+# an ulp of the dtype (2^-9 relative for bfloat16, 2^-12 for float16) plus float32 noise from a
+# different summation order; the bounds leave a factor of about 2 on top.
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=8e-3, atol=8e-3),
+}
+
+
+@pytest.fixture(params=TARGETS)
+def device(request):
+    """The device to run on; for the CPU, the instruction set is switched for the test."""
+    target = request.param
+    if not target.startswith("cpu:"):
+        yield target
+        return
+    previous = kvflow.ops.cpu_isa()
+    kvflow.ops.set_cpu_isa(target.split(":")[1])
+    try:
+        yield "cpu"
+    finally:
+        kvflow.ops.set_cpu_isa(previous)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None):
+    tol = TOLERANCES[dtype or actual.dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), **tol)

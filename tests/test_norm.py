@@ -1,0 +1,95 @@
+"""rms_norm and fused_add_rms_norm against a few lines of float32 PyTorch."""
+
+import pytest
+import torch
+
+from conftest import DTYPES, assert_close
+from kvflow import ops
+
+NUM_TOKENS = [1, 7, 83, 513]
+HIDDEN = [111, 769, 5125]
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0):
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(device, num_tokens, hidden, dtype):
+    torch.manual_seed(num_tokens * hidden)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, dtype=dtype, device=device)
+    assert_close(ops.rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows_and_3d(device, dtype):
+    # A slice of the columns of a wider tensor (e.g. part of a merged projection) and a
+    # [batch, seq, hidden] input.
+    wide = torch.randn(83, 2 * 769 + 5, dtype=dtype, device=device)
+    x = wide[:, 3 : 3 + 769]
+    w = torch.randn(769, dtype=dtype, device=device)
+    assert not x.is_contiguous()
+    assert_close(ops.rms_norm(x, w, 1e-5), reference_rms_norm(x, w, 1e-5), dtype)
+    x3 = torch.randn(4, 7, 769, dtype=dtype, device=device)
+    assert_close(ops.rms_norm(x3, w, 1e-5), reference_rms_norm(x3, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_gemma_offset(device, dtype):
+    x = torch.randn(7, 769, dtype=dtype, device=device)
+    w = torch.randn(769, dtype=dtype, device=device) * 0.1
+    assert_close(ops.rms_norm(x, w, 1e-6, weight_offset=1.0), reference_rms_norm(x, w, 1e-6, 1.0), dtype)
+
+
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(device, num_tokens, hidden, dtype):
+    torch.manual_seed(num_tokens + hidden)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, dtype=dtype, device=device)
+    expected_residual = (x.float() + residual.float()).to(dtype)
+    expected_out = reference_rms_norm(expected_residual, w, 1e-6)
+    ops.fused_add_rms_norm(x, residual, w, 1e-6)
+    # The sum of two values of one dtype is exact in float32 and rounded once: bit-exact.
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+    assert_close(x, expected_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_strided_input(device, dtype):
+    wide = torch.randn(83, 1000, dtype=dtype, device=device)
+    x = wide[:, 100:869]
+    residual = torch.randn(83, 769, dtype=dtype, device=device)
+    w = torch.randn(769, dtype=dtype, device=device)
+    untouched = wide[:, :100].clone()
+    expected_residual = (x.float() + residual.float()).to(dtype)
+    expected_out = reference_rms_norm(expected_residual, w, 1e-6)
+    ops.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert_close(residual, expected_residual, dtype)
+    assert_close(wide[:, 100:869], expected_out, dtype)
+    assert torch.equal(wide[:, :100], untouched)
+
+
+def test_rms_norm_rejects_bad_input():
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        ops.rms_norm(x, torch.randn(63))
+    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+        ops.rms_norm(x.to(torch.int32), w)
+    with pytest.raises(RuntimeError, match="weight has dtype"):
+        ops.rms_norm(x, w.half())
+    with pytest.raises(RuntimeError, match="out has shape"):
+        ops.rms_norm(x, w, out=torch.empty(4, 65))
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        ops.fused_add_rms_norm(x, torch.randn(3, 64), w)
+    with pytest.raises(RuntimeError, match="epsilon must be positive"):
+        ops.rms_norm(x, w, epsilon=0.0)
+    with pytest.raises(RuntimeError, match="input must have unit stride in its last dimension"):
+        ops.rms_norm(torch.randn(64, 4).t(), w)
