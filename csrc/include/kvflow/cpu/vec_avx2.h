@@ -49,10 +49,10 @@ struct VecAvx2 {
   static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg round(Reg a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // 2^n for integral n in [-126, 127].
-  static Reg pow2i(Reg n) {
+  // x * 2^n for integral n in [-126, 127], 2^n built in the exponent field.
+  static Reg ldexp(Reg x, Reg n) {
     const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    return _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
   }
   // 1/x from the 12-bit estimate and one Newton step (about 23 bits), cheaper than a divide.
   static Reg reciprocal(Reg x) {

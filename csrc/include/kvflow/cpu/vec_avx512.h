@@ -49,11 +49,8 @@ struct VecAvx512 {
   static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg round(Reg a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  // 2^n for integral n in [-126, 127].
-  static Reg pow2i(Reg n) {
-    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
-  }
+  // x * 2^n for integral n, in one instruction.
+  static Reg ldexp(Reg x, Reg n) { return _mm512_scalef_ps(x, n); }
   // 1/x from the 14-bit estimate and one Newton step (full float precision), cheaper than a divide.
   static Reg reciprocal(Reg x) {
     const Reg r = _mm512_rcp14_ps(x);

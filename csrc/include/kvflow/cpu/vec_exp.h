@@ -22,7 +22,7 @@ inline typename V::Reg vec_exp(typename V::Reg x) {
   p = V::fmadd(p, r, V::set1(0.5f));
   p = V::fmadd(p, r, V::set1(1.0f));
   p = V::fmadd(p, r, V::set1(1.0f));
-  return V::mul(p, V::pow2i(n));
+  return V::ldexp(p, n);
 }
 
 }  // namespace
