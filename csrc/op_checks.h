@@ -244,4 +244,77 @@ inline CopyBlocksGeometry check_copy_blocks_args(const std::vector<at::Tensor>& 
   return g;
 }
 
+struct AttentionGeometry {
+  int64_t num_tokens;
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t q_stride;  // token stride of query, in elements
+  int64_t num_blocks;
+  int64_t block_size;
+  int64_t batch;
+  int64_t max_blocks_per_seq;
+  DType dtype;
+};
+
+inline AttentionGeometry check_paged_attention_args(const at::Tensor& out, const at::Tensor& query,
+                                                    const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                                                    const at::Tensor& seq_lens, int64_t max_query_len,
+                                                    int64_t max_seq_len, int64_t sliding_window,
+                                                    double logits_soft_cap,
+                                                    const std::optional<at::Tensor>& workspace) {
+  AttentionGeometry g{};
+  g.dtype = kernel_dtype(query, "query");
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_q_heads, head_dim], got shape ", query.sizes());
+  TORCH_CHECK(query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2)),
+              "query must hold each token's heads packed, got strides ", query.strides());
+  check_like(out, "out", query, "query");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out has shape ", out.sizes(), " but query has shape ", query.sizes());
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  check_like(key_cache, "key_cache", query, "query");
+  check_like(value_cache, "value_cache", query, "query");
+  check_cache_tensor(key_cache, "key_cache");
+  check_cache_tensor(value_cache, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache has shape ", value_cache.sizes(),
+              " but key_cache has shape ", key_cache.sizes());
+  g.num_tokens = query.size(0);
+  g.num_q_heads = query.size(1);
+  g.head_dim = query.size(2);
+  g.q_stride = query.stride(0);
+  g.num_blocks = key_cache.size(0);
+  g.block_size = key_cache.size(1);
+  g.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == g.head_dim, "key_cache's head_dim ", key_cache.size(3), " differs from query's ",
+              g.head_dim);
+  TORCH_CHECK(g.num_kv_heads > 0 && g.num_q_heads % g.num_kv_heads == 0, "num_q_heads ", g.num_q_heads,
+              " is not a multiple of num_kv_heads ", g.num_kv_heads, " (key_cache.size(2))");
+  TORCH_CHECK(g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256, "head_dim ", g.head_dim,
+              " is not supported by paged_attention (supported: 64, 128, 256)");
+  check_index_tensor(block_tables, "block_tables", at::kInt, query);
+  check_index_tensor(cu_seqlens_q, "cu_seqlens_q", at::kInt, query);
+  check_index_tensor(seq_lens, "seq_lens", at::kInt, query);
+  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [batch, max_blocks_per_seq], got shape ",
+              block_tables.sizes());
+  g.batch = block_tables.size(0);
+  g.max_blocks_per_seq = block_tables.size(1);
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == g.batch, "seq_lens must be [", g.batch,
+              "] (one per block_tables row), got shape ", seq_lens.sizes());
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) == g.batch + 1, "cu_seqlens_q must be [", g.batch + 1,
+              "] (batch + 1), got shape ", cu_seqlens_q.sizes());
+  TORCH_CHECK(max_query_len >= 0 && max_seq_len >= 0, "max_query_len and max_seq_len must be >= 0, got ",
+              max_query_len, " and ", max_seq_len);
+  TORCH_CHECK(max_seq_len <= g.max_blocks_per_seq * g.block_size, "max_seq_len ", max_seq_len,
+              " exceeds what block_tables can address (", g.max_blocks_per_seq, " blocks of ", g.block_size, ")");
+  TORCH_CHECK(sliding_window == -1 || sliding_window > 0, "sliding_window must be -1 (off) or positive, got ",
+              sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "logits_soft_cap must be >= 0 (0 = off), got ", logits_soft_cap);
+  if (workspace.has_value()) {
+    TORCH_CHECK(workspace->scalar_type() == at::kFloat && workspace->is_contiguous() &&
+                    workspace->device() == query.device(),
+                "workspace must be a contiguous float32 tensor on ", query.device());
+  }
+  return g;
+}
+
 }  // namespace kvflow

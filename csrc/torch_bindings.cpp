@@ -33,6 +33,12 @@ TORCH_LIBRARY(kvflow, m) {
       "Tensor slot_mapping) -> ()");
   // For every (src, dst) row of block_mapping, in every layer: cache[dst] = cache[src].
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  // out = softmax(scale * query . keys) . values over each request's paged context, causal (and
+  // windowed when sliding_window > 0), GQA: query head h reads kv head h / (num_q_heads / num_kv_heads).
+  m.def(
+      "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor cu_seqlens_q, Tensor seq_lens, float scale, int max_query_len, int max_seq_len, "
+      "int sliding_window=-1, float logits_soft_cap=0.0, Tensor(a!)? workspace=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -43,6 +49,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("gelu_tanh_and_mul", &kvflow::cpu::gelu_tanh_and_mul);
   m.impl("reshape_and_cache", &kvflow::cpu::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
+  m.impl("paged_attention", &kvflow::cpu::paged_attention);
 }
 
 #ifdef KVFLOW_WITH_CUDA
@@ -54,6 +61,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("gelu_tanh_and_mul", &kvflow::cuda::gelu_tanh_and_mul);
   m.impl("reshape_and_cache", &kvflow::cuda::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
+  m.impl("paged_attention", &kvflow::cuda::paged_attention);
 }
 #endif
 

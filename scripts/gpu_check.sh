@@ -45,6 +45,9 @@ step tests_cuda "$python" -m pytest -q -x tests -k "cuda or Cuda or CUDA"
 step tests_all "$python" -m pytest -q tests
 step bench_ops_cuda "$python" benchmarks/bench_ops.py --device cuda --tokens 1 256 4096 --hidden 4096 \
   --markdown "$report_dir/bench_ops_cuda.md"
+# The H200 bar: decode at batch 64, context 4096, 32 q heads, 8 kv heads, head_dim 128, bf16.
+step bench_attention_cuda "$python" benchmarks/bench_attention.py --device cuda --num-q-heads 32 --num-kv-heads 8 \
+  --head-dim 128 --batch 1 64 --context 4096 --prefill 512 4096 --markdown "$report_dir/bench_attention_cuda.md"
 
 {
   echo
@@ -58,5 +61,7 @@ step bench_ops_cuda "$python" benchmarks/bench_ops.py --device cuda --tokens 1 2
   echo '```'
   echo "## op benchmarks"
   cat "$report_dir/bench_ops_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_ops_cuda.log"
+  echo "## paged attention"
+  cat "$report_dir/bench_attention_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_attention_cuda.log"
 } >> "$report"
 cat "$report"

@@ -26,6 +26,12 @@ def op_cases():
             torch.ops.kvflow.reshape_and_cache,
             (torch.randn(5, 3, 64), torch.randn(5, 3, 64), cache.clone(), cache.clone(), torch.tensor([0, 3, -1, 17, 63])),
         ),
+        "paged_attention": (
+            torch.ops.kvflow.paged_attention,
+            (torch.empty(5, 9, 64), qkv[:, : 9 * 64].view(5, 9, 64), cache, cache.clone(),
+             torch.tensor([[3, 1], [0, 2]], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32),
+             torch.tensor([20, 4], dtype=torch.int32), 0.125, 4, 20, -1, 0.0, None),
+        ),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),
@@ -39,13 +45,16 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
-def decoder_mlp_block(x, residual, norm_w, positions, qkv, cos_sin, gate_up, key_cache, value_cache, slots):
+def decoder_mlp_block(x, residual, norm_w, positions, qkv, cos_sin, gate_up, key_cache, value_cache, slots,
+                      block_tables, cu_seqlens_q, seq_lens):
     ops.fused_add_rms_norm(x, residual, norm_w, 1e-5)
     q, k = qkv[:, : 9 * 64], qkv[:, 9 * 64 : 12 * 64]
     ops.rotary_embedding(positions, q, k, 64, cos_sin)
     ops.reshape_and_cache(k.view(-1, 3, 64), qkv[:, 12 * 64 :].view(-1, 3, 64), key_cache, value_cache, slots)
+    attn = ops.paged_attention(q.view(-1, 9, 64), key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                               0.125, 11, 11)
     act = ops.silu_and_mul(gate_up * x.sum(-1, keepdim=True))
-    return ops.rms_norm(act, norm_w[: act.shape[-1]], 1e-5) + q.sum()
+    return ops.rms_norm(act, norm_w[: act.shape[-1]], 1e-5) + attn.sum()
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -64,7 +73,10 @@ def test_torch_compile_fullgraph_matches_eager():
             torch.randn(n, 96, generator=g),
             torch.zeros(2, 16, 3, 64),
             torch.zeros(2, 16, 3, 64),
-            torch.randperm(32, generator=g)[:n],
+            torch.arange(n),  # one prefill of n tokens in blocks 0 and 1
+            torch.tensor([[0, 1]], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32),
+            torch.tensor([n], dtype=torch.int32),
         )
 
     eager_inputs, compiled_inputs = make_inputs(), make_inputs()

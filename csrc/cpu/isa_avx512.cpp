@@ -1,7 +1,10 @@
 // The CPU kernels compiled for AVX-512 (F, BW, VL, DQ). Headers shared with the baseline code
 // are included before the target pragma so that only this file's own functions use AVX-512.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>

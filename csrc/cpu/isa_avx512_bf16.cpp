@@ -2,8 +2,12 @@
 // conversion instruction replaces the eight-instruction rounding of bfloat16 stores. Headers
 // shared with the baseline code are included before the target pragma so that only this file's
 // own functions use these features.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -18,13 +22,25 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 
+#include "kvflow/cpu/attention_avx512_bf16.h"
 #include "kvflow/cpu/kernels.h"
 #include "kvflow/cpu/vec_avx512_bf16.h"
 
 namespace kvflow::cpu {
+namespace {
+
+KernelTable make_avx512_bf16_table() {
+  KernelTable table = make_kernel_table<VecAvx512Bf16>("avx512_bf16");
+  table.paged_attention[int(DType::kBFloat16)][0] = paged_attention_avx512_bf16<64>;
+  table.paged_attention[int(DType::kBFloat16)][1] = paged_attention_avx512_bf16<128>;
+  table.paged_attention[int(DType::kBFloat16)][2] = paged_attention_avx512_bf16<256>;
+  return table;
+}
+
+}  // namespace
 
 const KernelTable& avx512_bf16_kernels() {
-  static const KernelTable table = make_kernel_table<VecAvx512Bf16>("avx512_bf16");
+  static const KernelTable table = make_avx512_bf16_table();
   return table;
 }
 

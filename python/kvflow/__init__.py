@@ -8,7 +8,8 @@ import torch  # noqa: F401  (loads libtorch before the extension that links agai
 from kvflow import _C  # noqa: F401
 from kvflow import ops
 from kvflow._C import BlockAllocator, OutOfBlocksError
+from kvflow.attention_metadata import AttentionMetadata
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockAllocator", "OutOfBlocksError", "ops", "__version__"]
+__all__ = ["AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "ops", "__version__"]

@@ -2,6 +2,7 @@
 
 from kvflow import _C
 from kvflow.ops.activation import gelu_tanh_and_mul, silu_and_mul
+from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
@@ -28,6 +29,7 @@ __all__ = [
     "cpu_isa",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

@@ -55,6 +55,49 @@ using GatedActivationFn = void (*)(void* out,  // [rows, d], row stride out_stri
                                    const void* input,  // [rows, 2 * d], row stride in_stride
                                    int64_t in_stride, int64_t d, int64_t begin, int64_t end);
 
+// Paged attention over a flattened batch: request b owns query tokens
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and a context of seq_lens[b] cached tokens that ends
+// with them; query i of b sits at position seq_lens[b] - q_len + i and attends causally (and to
+// the last sliding_window positions only, when sliding_window > 0).
+struct PagedAttentionArgs {
+  void* out;                    // [num_tokens, num_q_heads, head_dim]
+  const void* query;            // [num_tokens, num_q_heads, head_dim], token stride q_stride
+  int64_t q_stride;
+  const void* key_cache;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* value_cache;      // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int32_t* block_tables;  // [batch, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  const int32_t* cu_seqlens_q;  // [batch + 1]
+  const int32_t* seq_lens;      // [batch]
+  int64_t num_q_heads;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;           // a multiple of 16
+  float scale;
+  float soft_cap;               // logits = soft_cap * tanh(logits / soft_cap) when > 0
+  int64_t sliding_window;       // <= 0: off
+  float* partials;              // [num_splits, num_tokens, num_q_heads, head_dim + 2] when splitting
+  int64_t num_tokens;
+};
+
+// One unit of attention work: a tile of a request's queries for the query heads of kv heads
+// [kv_head, kv_head + kv_count), over keys [key_begin, key_end) of its context. split < 0: the item covers every key its
+// queries see and writes the output; otherwise it writes unnormalised partial results to
+// partials[split] (running max, sum, accumulator) for merge_attention_splits.
+struct AttentionWorkItem {
+  int32_t request;
+  int32_t kv_head;
+  int32_t kv_count;
+  int32_t q_begin;  // first query token of the tile, relative to the request
+  int32_t q_count;
+  int32_t key_begin;
+  int32_t key_end;
+  int32_t split;
+};
+
+using PagedAttentionFn = void (*)(const PagedAttentionArgs& args, const AttentionWorkItem* items, int64_t begin,
+                                  int64_t end);
+
 struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
@@ -63,7 +106,28 @@ struct KernelTable {
   RotaryFn rotary_embedding[kNumDTypes][2];
   GatedActivationFn silu_and_mul[kNumDTypes];
   GatedActivationFn gelu_tanh_and_mul[kNumDTypes];
+  // [dtype][head_dim 64, 128, 256]: head sizes are compile-time so accumulators stay in registers.
+  PagedAttentionFn paged_attention[kNumDTypes][3];
 };
+
+// Index of a supported attention head_dim in KernelTable::paged_attention, or -1.
+inline int attention_head_dim_index(int64_t head_dim) {
+  switch (head_dim) {
+    case 64:
+      return 0;
+    case 128:
+      return 1;
+    case 256:
+      return 2;
+    default:
+      return -1;
+  }
+}
+
+// Combines the partial results of the splits of each (token, query head) into out:
+// num_splits[b] splits for the tokens of request b.
+void merge_attention_splits(const PagedAttentionArgs& args, int64_t head_dim, DType dtype,
+                            const int32_t* num_splits, int64_t token_begin, int64_t token_end);
 
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();

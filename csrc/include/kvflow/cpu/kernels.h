@@ -191,6 +191,21 @@ void gated_activation(void* out, int64_t out_stride, const void* input, int64_t 
   }
 }
 
+}  // namespace
+}  // namespace kvflow::cpu
+
+#include "kvflow/cpu/attention.h"
+
+namespace kvflow::cpu {
+namespace {
+
+template <class V, typename T>
+void fill_attention_row(PagedAttentionFn (&row)[3]) {
+  row[0] = paged_attention<V, T, 64>;
+  row[1] = paged_attention<V, T, 128>;
+  row[2] = paged_attention<V, T, 256>;
+}
+
 template <class V>
 KernelTable make_kernel_table(const char* isa) {
   KernelTable t{};
@@ -213,6 +228,9 @@ KernelTable make_kernel_table(const char* isa) {
   t.gelu_tanh_and_mul[int(DType::kFloat32)] = gated_activation<V, GeluTanh, float>;
   t.gelu_tanh_and_mul[int(DType::kFloat16)] = gated_activation<V, GeluTanh, float16>;
   t.gelu_tanh_and_mul[int(DType::kBFloat16)] = gated_activation<V, GeluTanh, bfloat16>;
+  fill_attention_row<V, float>(t.paged_attention[int(DType::kFloat32)]);
+  fill_attention_row<V, float16>(t.paged_attention[int(DType::kFloat16)]);
+  fill_attention_row<V, bfloat16>(t.paged_attention[int(DType::kBFloat16)]);
   return t;
 }
 

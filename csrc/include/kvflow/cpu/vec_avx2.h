@@ -60,6 +60,23 @@ struct VecAvx2 {
     return _mm256_mul_ps(r, _mm256_fnmadd_ps(x, r, _mm256_set1_ps(2.f)));
   }
   static Reg exp(Reg x) { return vec_exp<VecAvx2>(x); }
+  static float reduce_max(Reg a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  // lane j of the result = sum of the lanes of sums[j], for j < 8: three rounds of pairwise
+  // horizontal adds instead of eight separate reductions.
+  static Reg transpose_sum(const Reg* sums) {
+    const __m256 t0 = _mm256_hadd_ps(sums[0], sums[1]);
+    const __m256 t1 = _mm256_hadd_ps(sums[2], sums[3]);
+    const __m256 t2 = _mm256_hadd_ps(sums[4], sums[5]);
+    const __m256 t3 = _mm256_hadd_ps(sums[6], sums[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1);  // per 128-bit half: sums 0..3
+    const __m256 u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: sums 4..7
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
   static float reduce_add(Reg a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -57,6 +57,33 @@ struct VecAvx512 {
     return _mm512_mul_ps(r, _mm512_fnmadd_ps(x, r, _mm512_set1_ps(2.f)));
   }
   static Reg exp(Reg x) { return vec_exp<VecAvx512>(x); }
+  static float reduce_max(Reg a) {
+    const __m256 m8 = _mm256_max_ps(_mm512_extractf32x8_ps(a, 0), _mm512_extractf32x8_ps(a, 1));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  // lane j of the result = sum of the lanes of sums[j], for j < 16: a transpose-and-add tree
+  // (about 3 instructions per input) instead of sixteen separate reductions.
+  static Reg transpose_sum(const Reg* sums) {
+    __m512 pairs[8];  // per 128-bit lane: partial sums of sums[2i] and sums[2i + 1], interleaved
+    for (int i = 0; i < 8; ++i) {
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(sums[2 * i], sums[2 * i + 1]),
+                               _mm512_unpackhi_ps(sums[2 * i], sums[2 * i + 1]));
+    }
+    __m512 quads[4];  // per 128-bit lane L: that lane's sums of sums[4i .. 4i + 3]
+    for (int i = 0; i < 4; ++i) {
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xee));
+    }
+    // Add the four 128-bit lanes of quads[i] into 128-bit lane i of the result.
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xee));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
+  }
   static float reduce_add(Reg a) {
     const __m256 s8 = _mm256_add_ps(_mm512_extractf32x8_ps(a, 0), _mm512_extractf32x8_ps(a, 1));
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));

@@ -25,6 +25,10 @@ struct VecScalar {
   static Reg reciprocal(Reg x) { return 1.f / x; }
   static Reg exp(Reg x) { return std::exp(x); }
   static float reduce_add(Reg a) { return a; }
+  static float reduce_max(Reg a) { return a; }
+  static Reg max(Reg a, Reg b) { return a > b ? a : b; }
+  // lane j of the result = sum of the lanes of sums[j], for j < kWidth.
+  static Reg transpose_sum(const Reg* sums) { return sums[0]; }
 };
 
 }  // namespace

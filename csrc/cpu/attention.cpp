@@ -1,0 +1,163 @@
+// paged_attention on the CPU: checks, a host-side validation of the batch metadata, a list of
+// work items (request x query tile x kv heads, and key splits when there are too few items to
+// keep every thread busy), items handed to threads dynamically, then the merge of key splits.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "kvflow/cpu/kernel_table.h"
+#include "op_checks.h"
+#include "ops.h"
+
+namespace kvflow::cpu {
+namespace {
+
+// Rows (query tokens x query heads of one kv head) per tile: enough that one widened K/V chunk
+// serves many rows, few enough that the tile's accumulators stay in L1/L2.
+constexpr int64_t kRowsPerTile = 32;
+// Fewer keys than this per split cost more in merging than they gain in parallelism.
+constexpr int64_t kMinKeysPerSplit = 256;
+
+void validate_metadata(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens,
+                       const int32_t* block_tables, int64_t max_query_len, int64_t max_seq_len) {
+  TORCH_CHECK(cu[0] == 0, "cu_seqlens_q[0] must be 0, got ", cu[0]);
+  TORCH_CHECK(cu[g.batch] == g.num_tokens, "cu_seqlens_q[", g.batch, "] = ", cu[g.batch],
+              " must equal the number of query tokens ", g.num_tokens);
+  for (int64_t b = 0; b < g.batch; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    TORCH_CHECK(q_len >= 0, "cu_seqlens_q must be non-decreasing; request ", b, " has ", q_len, " query tokens");
+    TORCH_CHECK(q_len <= max_query_len, "request ", b, " has ", q_len, " query tokens, more than max_query_len ",
+                max_query_len);
+    TORCH_CHECK(seq_lens[b] >= q_len, "seq_lens[", b, "] = ", seq_lens[b], " is shorter than its ", q_len,
+                " query tokens");
+    TORCH_CHECK(seq_lens[b] <= max_seq_len, "seq_lens[", b, "] = ", seq_lens[b], " exceeds max_seq_len ",
+                max_seq_len);
+    const int64_t used_blocks = (seq_lens[b] + g.block_size - 1) / g.block_size;
+    for (int64_t i = 0; i < used_blocks; ++i) {
+      const int32_t block = block_tables[b * g.max_blocks_per_seq + i];
+      TORCH_CHECK(block >= 0 && block < g.num_blocks, "block_tables[", b, "][", i, "] = ", block,
+                  " is not a block id in [0, ", g.num_blocks, ")");
+    }
+  }
+}
+
+struct WorkPlan {
+  std::vector<AttentionWorkItem> items;
+  std::vector<int32_t> num_splits;  // [batch]
+  int64_t max_splits = 1;
+};
+
+WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens, int64_t threads) {
+  const int64_t group = g.num_q_heads / g.num_kv_heads;
+  const int64_t q_tile = std::max<int64_t>(1, kRowsPerTile / group);
+  const int64_t wanted_items = 4 * threads;
+  int64_t tiles = 0;
+  for (int64_t b = 0; b < g.batch; ++b) tiles += (cu[b + 1] - cu[b] + q_tile - 1) / q_tile;
+  // An item covers every kv head when there are enough tiles: each chunk of the cache is then
+  // read front to back. Otherwise one kv head per item, and keys are split as well when even
+  // that leaves threads idle (small-batch decode).
+  const int64_t kv_per_item = tiles >= wanted_items ? g.num_kv_heads : 1;
+  const int64_t unsplit_items = std::max<int64_t>(1, tiles * (g.num_kv_heads / kv_per_item));
+  const int64_t split_factor = unsplit_items >= wanted_items ? 1 : (wanted_items + unsplit_items - 1) / unsplit_items;
+
+  WorkPlan plan;
+  plan.num_splits.assign(g.batch, 1);
+  for (int64_t b = 0; b < g.batch; ++b) {
+    plan.num_splits[b] = int32_t(std::clamp<int64_t>(seq_lens[b] / kMinKeysPerSplit, 1, split_factor));
+    plan.max_splits = std::max<int64_t>(plan.max_splits, plan.num_splits[b]);
+  }
+  const bool split_mode = plan.max_splits > 1;
+  for (int64_t b = 0; b < g.batch; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b];
+    const int64_t splits = plan.num_splits[b];
+    // Split boundaries on 16-key chunks, so that no chunk is read by two splits.
+    const int64_t keys_per_split = (seq_lens[b] + splits - 1) / splits;
+    const int64_t split_step = (keys_per_split + 15) / 16 * 16;
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t key_begin = std::min<int64_t>(s * split_step, seq_lens[b]);
+      const int64_t key_end = s + 1 == splits ? seq_lens[b] : std::min<int64_t>((s + 1) * split_step, seq_lens[b]);
+      for (int64_t kv = 0; kv < g.num_kv_heads; kv += kv_per_item) {
+        for (int64_t t = 0; t < q_len; t += q_tile) {
+          plan.items.push_back({int32_t(b), int32_t(kv), int32_t(kv_per_item), int32_t(t),
+                                int32_t(std::min(q_tile, q_len - t)), int32_t(key_begin), int32_t(key_end),
+                                split_mode ? int32_t(s) : -1});
+        }
+      }
+    }
+  }
+  // Longest first: with dynamic hand-out, the big causal tiles do not end up last.
+  auto cost = [&](const AttentionWorkItem& it) {
+    const int64_t last = seq_lens[it.request] - (cu[it.request + 1] - cu[it.request]) + it.q_begin + it.q_count;
+    return int64_t(it.q_count) * it.kv_count * (std::min<int64_t>(it.key_end, last) - it.key_begin);
+  };
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [&](const AttentionWorkItem& x, const AttentionWorkItem& y) { return cost(x) > cost(y); });
+  return plan;
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& seq_lens, double scale, int64_t max_query_len, int64_t max_seq_len,
+                     int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& workspace) {
+  TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
+  const AttentionGeometry g =
+      check_paged_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                 max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace);
+  TORCH_CHECK(g.block_size % 16 == 0, "key_cache's block_size ", g.block_size,
+              " is not supported on the CPU (a multiple of 16 is)");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  validate_metadata(g, cu, lens, tables, max_query_len, max_seq_len);
+  if (g.num_tokens == 0) return;
+
+  const int64_t threads = at::get_num_threads();
+  const WorkPlan plan = plan_work(g, cu, lens, threads);
+  at::Tensor partials;
+  if (plan.max_splits > 1) {
+    const int64_t needed = plan.max_splits * g.num_tokens * g.num_q_heads * (g.head_dim + 2);
+    partials = workspace.has_value() && workspace->numel() >= needed
+                   ? *workspace
+                   : at::empty({needed}, query.options().dtype(at::kFloat));
+  }
+
+  PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.q_stride = g.q_stride;
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = tables;
+  args.max_blocks_per_seq = g.max_blocks_per_seq;
+  args.cu_seqlens_q = cu;
+  args.seq_lens = lens;
+  args.num_q_heads = g.num_q_heads;
+  args.num_kv_heads = g.num_kv_heads;
+  args.head_dim = g.head_dim;
+  args.block_size = g.block_size;
+  args.scale = float(scale);
+  args.soft_cap = float(logits_soft_cap);
+  args.sliding_window = sliding_window;
+  args.partials = partials.defined() ? partials.data_ptr<float>() : nullptr;
+  args.num_tokens = g.num_tokens;
+
+  const PagedAttentionFn kernel =
+      active_kernels().paged_attention[int(g.dtype)][attention_head_dim_index(g.head_dim)];
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) kernel(args, plan.items.data(), i, i + 1);
+  });
+  if (plan.max_splits > 1) {
+    at::parallel_for(0, g.num_tokens, 1, [&](int64_t begin, int64_t end) {
+      merge_attention_splits(args, g.head_dim, g.dtype, plan.num_splits.data(), begin, end);
+    });
+  }
+}
+
+}  // namespace kvflow::cpu

@@ -1,0 +1,208 @@
+// Paged attention on the CPU, written once over a vector type V and an element type T, for a
+// compile-time head_dim HD. Included by kernels.h inside its unnamed namespace.
+//
+// One work item is a tile of a request's queries times the query heads of one or more kv heads
+// (the "rows"), over a range of keys. Keys are taken 16 at a time (block sizes are multiples of 16,
+// so 16 keys never straddle two blocks): the chunk's K and V rows of this kv head are widened to
+// float32 once and then serve every row of the tile, so each cache byte is read once per kv head.
+// Scores come out 16 at a time through V::transpose_sum, and each row keeps an online softmax
+// (running max m, running sum l, accumulator acc) in float32.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvflow/cpu/kernel_table.h"
+#include "kvflow/numeric.h"
+
+namespace kvflow::cpu {
+namespace {
+
+constexpr int kKeyChunk = 16;
+
+// Scores of one query row against 16 keys: sc[j] = q . k[j], q already scaled.
+template <class V, int HD>
+inline void chunk_scores(const float* q, const float* k, float* sc) {
+  constexpr int W = V::kWidth;
+  constexpr int NV = HD / W;
+  typename V::Reg qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = V::load(q + v * W);
+  for (int jb = 0; jb < kKeyChunk; jb += W) {
+    typename V::Reg sums[W];
+    for (int j = 0; j < W; ++j) {
+      const float* kj = k + (jb + j) * HD;
+      typename V::Reg s = V::mul(qv[0], V::load(kj));
+      for (int v = 1; v < NV; ++v) s = V::fmadd(qv[v], V::load(kj + v * W), s);
+      sums[j] = s;
+    }
+    V::store(sc + jb, V::transpose_sum(sums));
+  }
+}
+
+// sc = cap * tanh(sc / cap), with tanh(x) = 2 / (1 + exp(-2x)) - 1.
+template <class V>
+inline void soft_cap_scores(float* sc, float cap) {
+  constexpr int W = V::kWidth;
+  for (int jb = 0; jb < kKeyChunk; jb += W) {
+    const auto x = V::load(sc + jb);
+    const auto e = V::exp(V::mul(x, V::set1(-2.f / cap)));
+    const auto tanh_x = V::fmadd(V::set1(2.f), V::reciprocal(V::add(V::set1(1.f), e)), V::set1(-1.f));
+    V::store(sc + jb, V::mul(tanh_x, V::set1(cap)));
+  }
+}
+
+// Rows [K or V] of one kv head for keys [c0, c0 + n) of a block, widened to float32 into
+// dst [16, HD]; rows past n are zeroed so that they can never contribute a NaN.
+template <class V, typename T, int HD>
+inline void widen_chunk(const T* src, int64_t row_stride, int n, float* dst) {
+  constexpr int W = V::kWidth;
+  for (int j = 0; j < n; ++j) {
+    for (int v = 0; v < HD / W; ++v) V::store(dst + j * HD + v * W, V::load(src + j * row_stride + v * W));
+  }
+  std::fill(dst + n * HD, dst + kKeyChunk * HD, 0.f);
+}
+
+// The next chunk's K and V rows (every kv head: one contiguous span per cache), asked for a slice
+// per row of the current chunk, so that the requests trickle out while it computes. Blocks sit in
+// random order, so the hardware prefetchers cannot see the next one coming; a burst of requests
+// at the start of a chunk overflows the miss queues and is mostly dropped.
+template <typename T>
+struct NextChunkPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0;
+  int64_t step = 0;
+
+  NextChunkPrefetch(const PagedAttentionArgs& a, const int32_t* block_table, int64_t next_c0, int64_t key_hi,
+                    int64_t rows) {
+    if (next_c0 >= key_hi || rows == 0) return;
+    const int64_t slot = int64_t(block_table[next_c0 / a.block_size]) * a.block_size + next_c0 % a.block_size;
+    const int64_t row_bytes = a.num_kv_heads * a.head_dim * int64_t(sizeof(T));
+    k = static_cast<const char*>(a.key_cache) + slot * row_bytes;
+    v = static_cast<const char*>(a.value_cache) + slot * row_bytes;
+    bytes = std::min<int64_t>(kKeyChunk, key_hi - next_c0) * row_bytes;
+    step = (bytes / 64 + rows - 1) / rows * 64;
+  }
+
+  void issue(int64_t row) const {
+    const int64_t end = std::min(bytes, (row + 1) * step);
+    for (int64_t byte = row * step; byte < end; byte += 64) {
+      __builtin_prefetch(k + byte, 0, 2);
+      __builtin_prefetch(v + byte, 0, 2);
+    }
+  }
+};
+
+template <class V, typename T, int HD>
+void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  constexpr int NV = HD / W;
+  static_assert(HD % W == 0 && kKeyChunk % W == 0, "head_dim and the key chunk must be multiples of the width");
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t kv_row_stride = a.num_kv_heads * HD;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  int64_t max_rows = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    max_rows = std::max<int64_t>(max_rows, int64_t(items[i].q_count) * items[i].kv_count * group);
+  }
+  std::vector<float> q_rows(max_rows * HD), acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
+  std::vector<float> k_chunk(kKeyChunk * HD), v_chunk(kKeyChunk * HD);
+  float sc[kKeyChunk], p[kKeyChunk];
+
+  for (int64_t item_index = begin; item_index < end; ++item_index) {
+    const AttentionWorkItem& it = items[item_index];
+    const int64_t first_token = a.cu_seqlens_q[it.request];
+    const int64_t q_len = a.cu_seqlens_q[it.request + 1] - first_token;
+    const int64_t context_start = a.seq_lens[it.request] - q_len;  // position of query 0
+    // Rows are (kv head k, query token t, query head m of k's group), in that order.
+    const int64_t rows_per_kv_head = it.q_count * group;
+    const int64_t rows = it.kv_count * rows_per_kv_head;
+    const int32_t* block_table = a.block_tables + it.request * a.max_blocks_per_seq;
+
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = first_token + it.q_begin + (r % rows_per_kv_head) / group;
+      const int64_t head = it.kv_head * group + r / rows_per_kv_head * group + r % group;
+      const T* q = static_cast<const T*>(a.query) + token * a.q_stride + head * HD;
+      for (int v = 0; v < NV; ++v) V::store(&q_rows[r * HD + v * W], V::mul(V::load(q + v * W), V::set1(a.scale)));
+      std::fill(&acc_rows[r * HD], &acc_rows[r * HD] + HD, 0.f);
+      m_rows[r] = neg_inf;
+      l_rows[r] = 0.f;
+    }
+
+    // Keys any row of the tile may see.
+    const int64_t first_pos = context_start + it.q_begin;
+    const int64_t last_pos = first_pos + it.q_count - 1;
+    const int64_t key_hi = std::min<int64_t>(it.key_end, last_pos + 1);
+    int64_t key_lo = it.key_begin;
+    if (a.sliding_window > 0) key_lo = std::max<int64_t>(key_lo, first_pos - a.sliding_window + 1);
+
+    for (int64_t c0 = key_lo / kKeyChunk * kKeyChunk; c0 < key_hi; c0 += kKeyChunk) {
+      const NextChunkPrefetch<T> prefetch(a, block_table, c0 + kKeyChunk, key_hi, rows);
+      const int n = int(std::min<int64_t>(kKeyChunk, key_hi - c0));
+      const int64_t block = block_table[c0 / a.block_size];
+      const int64_t first_slot = block * a.block_size + c0 % a.block_size;
+      for (int64_t r = 0; r < rows; ++r) {
+        prefetch.issue(r);
+        if (r % rows_per_kv_head == 0) {  // first row of the next kv head: widen its K and V rows
+          const int64_t offset = first_slot * kv_row_stride + (it.kv_head + r / rows_per_kv_head) * HD;
+          widen_chunk<V, T, HD>(static_cast<const T*>(a.key_cache) + offset, kv_row_stride, n, k_chunk.data());
+          widen_chunk<V, T, HD>(static_cast<const T*>(a.value_cache) + offset, kv_row_stride, n, v_chunk.data());
+        }
+        const int64_t pos = first_pos + (r % rows_per_kv_head) / group;
+        int64_t lo = std::max<int64_t>(it.key_begin, c0);
+        if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);
+        const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
+        if (lo >= hi) continue;
+        const int j_lo = int(lo - c0), j_hi = int(hi - c0);
+
+        chunk_scores<V, HD>(&q_rows[r * HD], k_chunk.data(), sc);
+        if (a.soft_cap > 0.f) soft_cap_scores<V>(sc, a.soft_cap);
+        float chunk_max = neg_inf;
+        for (int j = j_lo; j < j_hi; ++j) chunk_max = std::max(chunk_max, sc[j]);
+        const float m_new = std::max(m_rows[r], chunk_max);
+        const float correction = std::exp(m_rows[r] - m_new);  // 0 on the first chunk
+        for (int jb = 0; jb < kKeyChunk; jb += W) {
+          V::store(p + jb, V::exp(V::sub(V::load(sc + jb), V::set1(m_new))));
+        }
+        float chunk_sum = 0.f;
+        for (int j = j_lo; j < j_hi; ++j) chunk_sum += p[j];
+        l_rows[r] = l_rows[r] * correction + chunk_sum;
+        m_rows[r] = m_new;
+
+        float* acc_row = &acc_rows[r * HD];
+        typename V::Reg acc[NV];
+        const auto vcorr = V::set1(correction);
+        for (int v = 0; v < NV; ++v) acc[v] = V::mul(V::load(acc_row + v * W), vcorr);
+        for (int j = j_lo; j < j_hi; ++j) {
+          const auto pj = V::set1(p[j]);
+          const float* vj = &v_chunk[j * HD];
+          for (int v = 0; v < NV; ++v) acc[v] = V::fmadd(pj, V::load(vj + v * W), acc[v]);
+        }
+        for (int v = 0; v < NV; ++v) V::store(acc_row + v * W, acc[v]);
+      }
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = first_token + it.q_begin + (r % rows_per_kv_head) / group;
+      const int64_t head = it.kv_head * group + r / rows_per_kv_head * group + r % group;
+      const float* acc_row = &acc_rows[r * HD];
+      if (it.split < 0) {
+        T* out = static_cast<T*>(a.out) + (token * a.num_q_heads + head) * HD;
+        const auto inv = V::set1(l_rows[r] > 0.f ? 1.f / l_rows[r] : 0.f);
+        for (int v = 0; v < NV; ++v) V::store(out + v * W, V::mul(V::load(acc_row + v * W), inv));
+      } else {
+        float* partial = a.partials + ((int64_t(it.split) * a.num_tokens + token) * a.num_q_heads + head) * (HD + 2);
+        partial[0] = m_rows[r];
+        partial[1] = l_rows[r];
+        std::copy(acc_row, acc_row + HD, partial + 2);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvflow::cpu

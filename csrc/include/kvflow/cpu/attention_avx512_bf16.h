@@ -1,0 +1,220 @@
+// Paged attention for bfloat16 caches on CPUs with AVX-512 BF16: both products run on
+// vdpbf16ps (16 lanes x a pair of bf16 products, accumulated in float32), so K and V are never
+// widened and no horizontal sums are needed. Include only in isa_avx512_bf16.cpp.
+//
+// Per 16-key chunk and kv head:
+//   - K is transposed into Kt[p] = (k_j[2p], k_j[2p + 1]) for the 16 keys j, so that one query
+//     row's 16 scores are sum_p dpbf16(Kt[p], broadcast(q[2p], q[2p + 1])): keys along lanes.
+//   - V rows of keys (2i, 2i + 1) are interleaved element-wise, so that the accumulator update
+//     is dpbf16(V_pair, broadcast(p[2i], p[2i + 1])) with the probabilities rounded to bf16,
+//     as FlashAttention does for its P.V product. Interleaving within 128-bit lanes leaves the
+//     accumulator's dims in a fixed scrambled order, undone once when the row is written.
+// The online softmax itself (max, exp, sum, rescale) stays in float32, as in attention.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kvflow/cpu/attention.h"
+#include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/vec_avx512_bf16.h"
+#include "kvflow/numeric.h"
+
+namespace kvflow::cpu {
+namespace {
+
+inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// In place: r[i] lane c  <-  r[c] lane i, for 32-bit lanes of 16 registers.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xee);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xee);
+    r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(a, c, 0xdd);
+    r[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xdd);
+  }
+}
+
+inline int32_t load_pair(const bfloat16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int HD>
+void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin,
+                                 int64_t end) {
+  constexpr int kBlocks = HD / 32;  // 32 bf16 per register
+  constexpr int kPairs = HD / 2;    // K^T registers per chunk
+  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t kv_row_stride = a.num_kv_heads * HD;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  int64_t max_rows = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    max_rows = std::max<int64_t>(max_rows, int64_t(items[i].q_count) * items[i].kv_count * group);
+  }
+  std::vector<float> acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
+  __m512i k_t[kPairs];                // [HD / 2] registers of 16 keys' pairs
+  __m512i v_pairs[8 * kBlocks * 2];  // [8 key pairs][kBlocks][lo, hi]
+  alignas(64) int32_t p_pairs[8];
+  const __m512i unscramble_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i unscramble_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+
+  // K^T and the interleaved V of one kv head for the chunk's n keys starting at first_slot.
+  // Rows past n are zeros: stale cache memory there may hold NaNs, and 0 * NaN is NaN.
+  std::vector<bfloat16> stage_k, stage_v;
+  int64_t stage_stride = 0;
+  // Copies the chunk's rows of kv heads [kv_begin, kv_begin + kv_count) into L1 in address order:
+  // one pass front to back, which the hardware prefetchers follow, instead of per-head strides.
+  auto stage_chunk = [&](int64_t first_slot, int64_t kv_begin, int64_t kv_count, int n) {
+    stage_stride = kv_count * HD;
+    stage_k.resize(16 * stage_stride);
+    stage_v.resize(16 * stage_stride);
+    const bfloat16* k = static_cast<const bfloat16*>(a.key_cache) + first_slot * kv_row_stride + kv_begin * HD;
+    const bfloat16* v = static_cast<const bfloat16*>(a.value_cache) + first_slot * kv_row_stride + kv_begin * HD;
+    for (int j = 0; j < n; ++j) std::memcpy(&stage_k[j * stage_stride], k + j * kv_row_stride, stage_stride * 2);
+    for (int j = 0; j < n; ++j) std::memcpy(&stage_v[j * stage_stride], v + j * kv_row_stride, stage_stride * 2);
+  };
+  auto pack_chunk = [&](int64_t local_kv_head, int n) {
+    const bfloat16* k_rows = stage_k.data() + local_kv_head * HD;
+    const bfloat16* v_rows = stage_v.data() + local_kv_head * HD;
+    auto row_block = [&](const bfloat16* base, int j, int b) {
+      return j < n ? _mm512_loadu_si512(base + j * stage_stride + b * 32) : _mm512_setzero_si512();
+    };
+    for (int g = 0; g < kPairs / 16; ++g) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = row_block(k_rows, j, g);
+      transpose_16x16(r);
+      for (int c = 0; c < 16; ++c) k_t[g * 16 + c] = r[c];
+    }
+    for (int i = 0; i < 8; ++i) {
+      for (int b = 0; b < kBlocks; ++b) {
+        const __m512i v0 = row_block(v_rows, 2 * i, b), v1 = row_block(v_rows, 2 * i + 1, b);
+        v_pairs[(i * kBlocks + b) * 2] = _mm512_unpacklo_epi16(v0, v1);
+        v_pairs[(i * kBlocks + b) * 2 + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+    }
+  };
+
+  for (int64_t item_index = begin; item_index < end; ++item_index) {
+    const AttentionWorkItem& it = items[item_index];
+    const int64_t first_token = a.cu_seqlens_q[it.request];
+    const int64_t q_len = a.cu_seqlens_q[it.request + 1] - first_token;
+    const int64_t first_pos = a.seq_lens[it.request] - q_len + it.q_begin;
+    // Rows are (kv head k, query token t, query head m of k's group), in that order.
+    const int64_t rows_per_kv_head = it.q_count * group;
+    const int64_t rows = it.kv_count * rows_per_kv_head;
+    const int32_t* block_table = a.block_tables + it.request * a.max_blocks_per_seq;
+    auto row_token = [&](int64_t r) { return first_token + it.q_begin + (r % rows_per_kv_head) / group; };
+    auto row_head = [&](int64_t r) { return it.kv_head * group + r / rows_per_kv_head * group + r % group; };
+    std::fill(acc_rows.begin(), acc_rows.begin() + rows * HD, 0.f);
+    std::fill(m_rows.begin(), m_rows.begin() + rows, neg_inf);
+    std::fill(l_rows.begin(), l_rows.begin() + rows, 0.f);
+
+    const int64_t key_hi = std::min<int64_t>(it.key_end, first_pos + it.q_count);
+    int64_t key_lo = it.key_begin;
+    if (a.sliding_window > 0) key_lo = std::max<int64_t>(key_lo, first_pos - a.sliding_window + 1);
+
+    for (int64_t c0 = key_lo / 16 * 16; c0 < key_hi; c0 += 16) {
+      const NextChunkPrefetch<bfloat16> prefetch(a, block_table, c0 + 16, key_hi, rows);
+      const int n = int(std::min<int64_t>(16, key_hi - c0));
+      const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
+      stage_chunk(first_slot, it.kv_head, it.kv_count, n);
+      for (int64_t r = 0; r < rows; ++r) {
+        prefetch.issue(r);
+        if (r % rows_per_kv_head == 0) pack_chunk(r / rows_per_kv_head, n);
+        const int64_t pos = first_pos + (r % rows_per_kv_head) / group;
+        int64_t lo = std::max<int64_t>(it.key_begin, c0);
+        if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);
+        const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
+        if (lo >= hi) continue;
+        const __mmask16 valid = __mmask16(((1u << (hi - c0)) - 1u) & ~((1u << (lo - c0)) - 1u));
+
+        const bfloat16* q = static_cast<const bfloat16*>(a.query) + row_token(r) * a.q_stride + row_head(r) * HD;
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
+               s3 = _mm512_setzero_ps();
+        for (int p = 0; p < kPairs; p += 4) {
+          s0 = dot_bf16(s0, k_t[p], _mm512_set1_epi32(load_pair(q + 2 * p)));
+          s1 = dot_bf16(s1, k_t[p + 1], _mm512_set1_epi32(load_pair(q + 2 * p + 2)));
+          s2 = dot_bf16(s2, k_t[p + 2], _mm512_set1_epi32(load_pair(q + 2 * p + 4)));
+          s3 = dot_bf16(s3, k_t[p + 3], _mm512_set1_epi32(load_pair(q + 2 * p + 6)));
+        }
+        __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)), _mm512_set1_ps(a.scale));
+        if (a.soft_cap > 0.f) {
+          const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(-2.f / a.soft_cap)));
+          const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(2.f), VecAvx512::reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                           _mm512_set1_ps(-1.f));
+          s = _mm512_mul_ps(t, _mm512_set1_ps(a.soft_cap));
+        }
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, s);
+        const float m_new = std::max(m_rows[r], VecAvx512::reduce_max(s));
+        const float correction = std::exp(m_rows[r] - m_new);
+        const __m512 p = _mm512_maskz_mov_ps(valid, VecAvx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        l_rows[r] = l_rows[r] * correction + VecAvx512::reduce_add(p);
+        m_rows[r] = m_new;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p_pairs), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+
+        float* acc_row = &acc_rows[r * HD];
+        __m512 acc[2 * kBlocks];
+        const __m512 vcorr = _mm512_set1_ps(correction);
+        for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * b), vcorr);
+        for (int i = int(lo - c0) / 2; i <= int(hi - c0 - 1) / 2; ++i) {
+          const __m512i pp = _mm512_set1_epi32(p_pairs[i]);
+          for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = dot_bf16(acc[b], v_pairs[i * 2 * kBlocks + b], pp);
+        }
+        for (int b = 0; b < 2 * kBlocks; ++b) _mm512_storeu_ps(acc_row + 16 * b, acc[b]);
+      }
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = row_token(r);
+      const int64_t head = row_head(r);
+      float* acc_row = &acc_rows[r * HD];
+      // acc holds, per 32 dims, [lo | hi] in interleaved order; restore dims 0..31.
+      for (int b = 0; b < kBlocks; ++b) {
+        const __m512 lo = _mm512_loadu_ps(acc_row + 32 * b), hi = _mm512_loadu_ps(acc_row + 32 * b + 16);
+        _mm512_storeu_ps(acc_row + 32 * b, _mm512_permutex2var_ps(lo, unscramble_lo, hi));
+        _mm512_storeu_ps(acc_row + 32 * b + 16, _mm512_permutex2var_ps(lo, unscramble_hi, hi));
+      }
+      if (it.split < 0) {
+        bfloat16* out = static_cast<bfloat16*>(a.out) + (token * a.num_q_heads + head) * HD;
+        const __m512 inv = _mm512_set1_ps(l_rows[r] > 0.f ? 1.f / l_rows[r] : 0.f);
+        for (int v = 0; v < HD / 16; ++v) VecAvx512Bf16::store(out + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * v), inv));
+      } else {
+        float* partial = a.partials + ((int64_t(it.split) * a.num_tokens + token) * a.num_q_heads + head) * (HD + 2);
+        partial[0] = m_rows[r];
+        partial[1] = l_rows[r];
+        std::copy(acc_row, acc_row + HD, partial + 2);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvflow::cpu

@@ -1,0 +1,71 @@
+"""The per-step attention metadata: built once per engine step from the scheduled requests,
+validated on the host, then shared read-only by every layer of the model."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: torch.Tensor      # [num_tokens] int64: position of each new token in its request
+    slot_mapping: torch.Tensor   # [num_tokens] int64: cache slot (block * block_size + offset), -1 = skip
+    block_tables: torch.Tensor   # [batch, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor   # [batch + 1] int32: new tokens of request b are [cu[b], cu[b + 1])
+    seq_lens: torch.Tensor       # [batch] int32: context length of each request, new tokens included
+    max_query_len: int
+    max_seq_len: int
+    workspace: torch.Tensor | None = None  # float32 scratch for split-KV attention
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        workspace: torch.Tensor | None = None,
+    ) -> "AttentionMetadata":
+        """From per-request new-token counts, context lengths (new tokens included) and block
+        tables. Raises ValueError for inconsistent input, before anything reaches a device."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError(
+                f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
+                f"({len(block_tables)}) must have one entry per request"
+            )
+        positions, slots = [], []
+        for b, (q_len, seq_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+            if not 0 <= q_len <= seq_len:
+                raise ValueError(f"request {b}: query length {q_len} must be in [0, seq_len={seq_len}]")
+            if seq_len > len(table) * block_size:
+                raise ValueError(
+                    f"request {b}: seq_len {seq_len} needs {-(-seq_len // block_size)} blocks, "
+                    f"its block table has {len(table)}"
+                )
+            for pos in range(seq_len - q_len, seq_len):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        cu = [0]
+        for q_len in query_lens:
+            cu.append(cu[-1] + q_len)
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded, torch.int32).reshape(len(block_tables), max_blocks),
+            cu_seqlens_q=tensor(cu, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            workspace=workspace,
+        )

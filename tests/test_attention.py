@@ -1,0 +1,180 @@
+"""paged_attention against a plain float32 PyTorch reference that gathers each request's K/V
+through its block table and applies the causal and sliding-window masks explicitly."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import DTYPES, TOLERANCES
+from kvflow import AttentionMetadata, ops
+
+
+def reference_attention(query, key_cache, value_cache, query_lens, seq_lens, tables, scale, window=-1, cap=0.0):
+    """[num_tokens, num_q_heads, head_dim] float32, one request at a time."""
+    block_size, num_kv, head_dim = key_cache.shape[1:]
+    group = query.shape[1] // num_kv
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    start = 0
+    for q_len, seq_len, table in zip(query_lens, seq_lens, tables):
+        blocks = torch.tensor(table[: -(-seq_len // block_size)], device=query.device)
+        k = key_cache[blocks].reshape(-1, num_kv, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
+        v = value_cache[blocks].reshape(-1, num_kv, head_dim)[:seq_len].float().repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if cap > 0:
+            scores = cap * torch.tanh(scores / cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible = k_pos <= q_pos
+        if window > 0:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        start += q_len
+    return out
+
+
+def run_case(device, query_lens, seq_lens, num_q=9, num_kv=3, head_dim=64, block_size=16, dtype=torch.bfloat16,
+             window=-1, cap=0.0, strided_query=False, seed=0):
+    gen = random.Random(seed)
+    torch.manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    ids = list(range(num_blocks))
+    gen.shuffle(ids)  # non-contiguous, out-of-order block tables
+    tables, used = [], 0
+    for n in blocks_needed:
+        tables.append(ids[used : used + n])
+        used += n
+    shape = (num_blocks, block_size, num_kv, head_dim)
+    key_cache = torch.randn(shape, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, dtype=dtype, device=device)
+    num_tokens = sum(query_lens)
+    if strided_query:  # a view of a merged QKV output: token stride > num_q * head_dim
+        qkv = torch.randn(num_tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype, device=device)
+        query = qkv[:, : num_q * head_dim].view(num_tokens, num_q, head_dim)
+    else:
+        query = torch.randn(num_tokens, num_q, head_dim, dtype=dtype, device=device)
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device)
+    scale = 1.0 / math.sqrt(head_dim)
+    out = ops.paged_attention(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale,
+                              md.max_query_len, md.max_seq_len, window, cap)
+    expected = reference_attention(query, key_cache, value_cache, query_lens, seq_lens, tables, scale, window, cap)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_batch(device, dtype, head_dim):
+    rng = random.Random(1)
+    seq_lens = [rng.randint(1, 300) for _ in range(13)]
+    run_case(device, [1] * 13, seq_lens, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill(device, dtype, block_size):
+    run_case(device, [77, 1, 130], [77, 1, 130], block_size=block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_with_chunks_after_prefix(device, dtype):
+    # decode, full prefill, a chunk after a prefix-cache hit, a later chunk of a chunked prefill
+    run_case(device, [1, 45, 20, 33, 1], [200, 45, 84, 129, 17], dtype=dtype, strided_query=True)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_contexts_on_and_just_past_block_boundaries(device, block_size):
+    seq_lens = [block_size, block_size + 1, 2 * block_size, 2 * block_size + 1, 3 * block_size - 1]
+    run_case(device, [1, 1, 5, block_size + 1, 3], seq_lens, block_size=block_size)
+
+
+@pytest.mark.parametrize("num_q,num_kv", [(8, 8), (9, 3), (8, 2), (16, 2), (8, 1)])
+def test_gqa_ratios_and_mqa(device, num_q, num_kv):
+    run_case(device, [1, 1, 19, 6], [40, 130, 19, 70], num_q=num_q, num_kv=num_kv, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 17, 64])
+def test_sliding_window(device, window):
+    run_case(device, [1, 50, 9], [150, 120, 200], window=window, dtype=torch.float32)
+
+
+def test_logits_soft_cap(device):
+    run_case(device, [1, 31], [90, 64], cap=5.0, dtype=torch.float32, head_dim=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_context_small_batch_splits_keys(device, dtype):
+    # One decode request with a long context: the CPU splits its keys across threads and merges.
+    run_case(device, [1], [1500], dtype=dtype)
+    run_case(device, [1, 3], [2049, 700], dtype=dtype, window=1000)
+
+
+def test_batch_of_64(device):
+    rng = random.Random(7)
+    query_lens = [1] * 48 + [rng.randint(2, 40) for _ in range(16)]
+    seq_lens = [q + rng.randint(0, 150) for q in query_lens]
+    run_case(device, query_lens, seq_lens, dtype=torch.bfloat16)
+
+
+def test_attention_metadata_build():
+    md = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4)
+    assert md.positions.tolist() == [3, 4, 2]
+    assert md.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
+    assert md.cu_seqlens_q.tolist() == [0, 2, 3]
+    assert md.block_tables.tolist() == [[7, 2], [4, 0]]
+    assert (md.max_query_len, md.max_seq_len) == (2, 5)
+    with pytest.raises(ValueError, match="seq_len 9 needs 3 blocks, its block table has 2"):
+        AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
+    with pytest.raises(ValueError, match="query length 4 must be in"):
+        AttentionMetadata.build([4], [3], [[0]], block_size=4)
+
+
+def bad_call(**overrides):
+    args = dict(
+        query=torch.randn(3, 9, 64),
+        key_cache=torch.randn(4, 16, 3, 64),
+        value_cache=torch.randn(4, 16, 3, 64),
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([20, 30], dtype=torch.int32),
+        scale=0.125,
+        max_query_len=2,
+        max_seq_len=30,
+    )
+    args.update(overrides)
+    return ops.paged_attention(**args)
+
+
+def test_bad_input_is_rejected_clearly():
+    bad_call()  # the baseline is valid
+    with pytest.raises(RuntimeError, match="num_q_heads 9 is not a multiple of num_kv_heads 4"):
+        bad_call(key_cache=torch.randn(4, 16, 4, 64), value_cache=torch.randn(4, 16, 4, 64))
+    with pytest.raises(RuntimeError, match="head_dim 80 is not supported by paged_attention"):
+        bad_call(query=torch.randn(3, 9, 80), key_cache=torch.randn(4, 16, 3, 80), value_cache=torch.randn(4, 16, 3, 80))
+    with pytest.raises(RuntimeError, match="key_cache's head_dim 128 differs from query's 64"):
+        bad_call(key_cache=torch.randn(4, 16, 3, 128), value_cache=torch.randn(4, 16, 3, 128))
+    # A context longer than its block table: the honest max_seq_len is already out of range.
+    with pytest.raises(RuntimeError, match=r"max_seq_len 40 exceeds what block_tables can address \(2 blocks of 16\)"):
+        bad_call(seq_lens=torch.tensor([20, 40], dtype=torch.int32), max_seq_len=40)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 30 exceeds max_seq_len 25"):
+        bad_call(max_seq_len=25)
+    with pytest.raises(RuntimeError, match="block_tables must be Int"):
+        bad_call(block_tables=torch.tensor([[0, 1], [2, 3]]))
+    with pytest.raises(RuntimeError, match="key_cache has dtype"):
+        bad_call(key_cache=torch.randn(4, 16, 3, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"block_tables\[1\]\[1\] = 9 is not a block id"):
+        bad_call(block_tables=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 0 is shorter than its 1 query tokens"):
+        bad_call(seq_lens=torch.tensor([0, 30], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="request 1 has 2 query tokens, more than max_query_len 1"):
+        bad_call(max_query_len=1)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_q\[2\] = 2 must equal the number of query tokens 3"):
+        bad_call(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="block_size 8 is not supported on the CPU"):
+        bad_call(key_cache=torch.randn(8, 8, 3, 64), value_cache=torch.randn(8, 8, 3, 64),
+                 block_tables=torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="sliding_window must be -1"):
+        bad_call(sliding_window=0)
