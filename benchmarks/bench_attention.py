@@ -14,29 +14,13 @@ bandwidth measured here (a sum over a 512 MB tensor) or, on CUDA, its copy bandw
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kvflow
 from kvflow import AttentionMetadata, ops
-
-
-def timed(fn, device: str, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+from timing import timed
 
 
 def memory_bandwidth(device: str) -> tuple[float, str]:

@@ -11,30 +11,13 @@ must read and write / time), and the speedup (composite time / kvflow time).
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import kvflow
 from kvflow import ops
-
-
-def timed(fn, device: str, warmup: int, repeat: int) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+from timing import timed
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:

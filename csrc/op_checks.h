@@ -317,4 +317,33 @@ inline AttentionGeometry check_paged_attention_args(const at::Tensor& out, const
   return g;
 }
 
+struct SamplingGeometry {
+  int64_t batch;
+  int64_t vocab;
+  DType dtype;
+};
+
+inline void check_row_param(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& logits) {
+  check_index_tensor(t, name, dtype, logits);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), name, " must be [", logits.size(0),
+              "] (one value per row of logits), got shape ", t.sizes());
+}
+
+inline SamplingGeometry check_sampling_args(const at::Tensor& logits, const at::Tensor& temperature,
+                                            const at::Tensor& top_k, const at::Tensor& top_p,
+                                            const at::Tensor& min_p) {
+  SamplingGeometry g{};
+  g.dtype = kernel_dtype(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+  g.batch = logits.size(0);
+  g.vocab = logits.size(1);
+  check_row_param(temperature, "temperature", at::kFloat, logits);
+  check_row_param(top_k, "top_k", at::kInt, logits);
+  check_row_param(top_p, "top_p", at::kFloat, logits);
+  check_row_param(min_p, "min_p", at::kFloat, logits);
+  return g;
+}
+
 }  // namespace kvflow

@@ -39,6 +39,20 @@ TORCH_LIBRARY(kvflow, m) {
       "paged_attention(Tensor! out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor cu_seqlens_q, Tensor seq_lens, float scale, int max_query_len, int max_seq_len, "
       "int sliding_window=-1, float logits_soft_cap=0.0, Tensor(a!)? workspace=None) -> ()");
+  // One token per row: argmax where temperature == 0; otherwise a draw from softmax(logits / T)
+  // restricted to the top_k, then the top_p mass, then probabilities >= min_p * max, with
+  // Philox keyed by (seeds[row], offsets[row]).
+  m.def(
+      "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor offsets) -> Tensor");
+  // The distribution sample() draws from, as logits: divided by T, filtered tokens set to -inf.
+  m.def("apply_sampling_filters(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> ()");
+  // Repetition (prompt and output tokens), frequency and presence (output counts) penalties.
+  m.def(
+      "apply_penalties(Tensor! logits, Tensor prompt_token_ids, Tensor prompt_offsets, Tensor output_token_ids, "
+      "Tensor output_offsets, Tensor repetition_penalty, Tensor frequency_penalty, Tensor presence_penalty) -> ()");
+  // log_softmax(logits) at token_ids, and the num_top most likely tokens with their log-probabilities.
+  m.def("compute_logprobs(Tensor logits, Tensor token_ids, int num_top) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -50,6 +64,10 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("reshape_and_cache", &kvflow::cpu::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
   m.impl("paged_attention", &kvflow::cpu::paged_attention);
+  m.impl("sample", &kvflow::cpu::sample);
+  m.impl("apply_sampling_filters", &kvflow::cpu::apply_sampling_filters);
+  m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
+  m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
 }
 
 #ifdef KVFLOW_WITH_CUDA
@@ -62,6 +80,10 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("reshape_and_cache", &kvflow::cuda::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
   m.impl("paged_attention", &kvflow::cuda::paged_attention);
+  m.impl("sample", &kvflow::cuda::sample);
+  m.impl("apply_sampling_filters", &kvflow::cuda::apply_sampling_filters);
+  m.impl("apply_penalties", &kvflow::cuda::apply_penalties);
+  m.impl("compute_logprobs", &kvflow::cuda::compute_logprobs);
 }
 #endif
 

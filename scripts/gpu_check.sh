@@ -48,6 +48,9 @@ step bench_ops_cuda "$python" benchmarks/bench_ops.py --device cuda --tokens 1 2
 # The H200 bar: decode at batch 64, context 4096, 32 q heads, 8 kv heads, head_dim 128, bf16.
 step bench_attention_cuda "$python" benchmarks/bench_attention.py --device cuda --num-q-heads 32 --num-kv-heads 8 \
   --head-dim 128 --batch 1 64 --context 4096 --prefill 512 4096 --markdown "$report_dir/bench_attention_cuda.md"
+# The H200 bar for sampling: batch 128, vocab 128256.
+step bench_sampling_cuda "$python" benchmarks/bench_sampling.py --device cuda --batch 1 128 --vocab 128256 262144 \
+  --markdown "$report_dir/bench_sampling_cuda.md"
 
 {
   echo
@@ -63,5 +66,7 @@ step bench_attention_cuda "$python" benchmarks/bench_attention.py --device cuda 
   cat "$report_dir/bench_ops_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_ops_cuda.log"
   echo "## paged attention"
   cat "$report_dir/bench_attention_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_attention_cuda.log"
+  echo "## sampling"
+  cat "$report_dir/bench_sampling_cuda.md" 2>/dev/null || tail -n 20 "$report_dir/bench_sampling_cuda.log"
 } >> "$report"
 cat "$report"

@@ -32,6 +32,23 @@ def op_cases():
              torch.tensor([[3, 1], [0, 2]], dtype=torch.int32), torch.tensor([0, 1, 5], dtype=torch.int32),
              torch.tensor([20, 4], dtype=torch.int32), 0.125, 4, 20, -1, 0.0, None),
         ),
+        "sample": (
+            torch.ops.kvflow.sample,
+            (torch.randn(4, 300), torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 10, 0, 1], dtype=torch.int32),
+             torch.tensor([1.0, 0.9, 0.5, 1.0]), torch.tensor([0.0, 0.0, 0.1, 0.0]), torch.arange(4),
+             torch.zeros(4, dtype=torch.int64)),
+        ),
+        "apply_sampling_filters": (
+            torch.ops.kvflow.apply_sampling_filters,
+            (torch.randn(2, 300), torch.tensor([0.7, 0.0]), torch.tensor([10, 0], dtype=torch.int32),
+             torch.tensor([0.9, 1.0]), torch.tensor([0.0, 0.0])),
+        ),
+        "apply_penalties": (
+            torch.ops.kvflow.apply_penalties,
+            (torch.randn(2, 50), torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), torch.tensor([4, 4]),
+             torch.tensor([0, 0, 2]), torch.tensor([1.2, 1.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1])),
+        ),
+        "compute_logprobs": (torch.ops.kvflow.compute_logprobs, (torch.randn(3, 100), torch.tensor([1, 50, 99]), 5)),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -6,6 +6,7 @@ from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
+from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample
 
 
 def supported_cpu_isas() -> list[str]:
@@ -24,6 +25,10 @@ def set_cpu_isa(name: str) -> None:
 
 
 __all__ = [
+    "apply_penalties",
+    "apply_sampling_filters",
+    "compute_logprobs",
+    "sample",
     "compute_cos_sin_cache",
     "copy_blocks",
     "cpu_isa",

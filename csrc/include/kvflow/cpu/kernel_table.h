@@ -98,6 +98,17 @@ struct AttentionWorkItem {
 using PagedAttentionFn = void (*)(const PagedAttentionArgs& args, const AttentionWorkItem* items, int64_t begin,
                                   int64_t end);
 
+// Passes over one row of logits [n] (the sampler's vectorised parts; selection logic is in
+// cpu/sampling.cpp).
+// The largest value; *non_finite is set when the row holds a NaN or an infinity (the caller tells
+// a legal -inf from a NaN or +inf with a scalar look, only then).
+using RowMaxFn = float (*)(const void* x, int64_t n, bool* non_finite);
+// p[i] = exp((x[i] - max) * inv_temperature); returns the sum of p.
+using ExpSumFn = double (*)(const void* x, int64_t n, float max, float inv_temperature, float* p);
+// Appends to out the indices i in [begin, end) with x[i] > threshold, in increasing order; returns
+// how many. out must have room for end - begin.
+using CollectGreaterFn = int64_t (*)(const void* x, int64_t begin, int64_t end, float threshold, int32_t* out);
+
 struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
@@ -108,6 +119,9 @@ struct KernelTable {
   GatedActivationFn gelu_tanh_and_mul[kNumDTypes];
   // [dtype][head_dim 64, 128, 256]: head sizes are compile-time so accumulators stay in registers.
   PagedAttentionFn paged_attention[kNumDTypes][3];
+  RowMaxFn row_max[kNumDTypes];
+  ExpSumFn exp_sum[kNumDTypes];
+  CollectGreaterFn collect_greater[kNumDTypes];
 };
 
 // Index of a supported attention head_dim in KernelTable::paged_attention, or -1.

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kvflow/cpu/kernel_table.h"
 #include "kvflow/cpu/vec_scalar.h"
@@ -200,6 +201,75 @@ namespace kvflow::cpu {
 namespace {
 
 template <class V, typename T>
+float row_max(const void* input, int64_t n, bool* non_finite) {
+  constexpr int W = V::kWidth;
+  const T* x = static_cast<const T*>(input);
+  auto vmax = V::set1(-std::numeric_limits<float>::infinity());
+  auto poison = V::zero();  // x * 0 is NaN exactly when x is NaN or infinite
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto v = V::load(x + i);
+    vmax = V::max(vmax, v);
+    poison = V::fmadd(v, V::zero(), poison);
+  }
+  float m = V::reduce_max(vmax);
+  float p = V::reduce_add(poison);
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]);
+    m = v > m ? v : m;
+    p += v * 0.f;
+  }
+  *non_finite = !(p == 0.f);
+  return m;
+}
+
+template <class V, typename T>
+double exp_sum(const void* input, int64_t n, float max, float inv_temperature, float* p) {
+  constexpr int W = V::kWidth;
+  const T* x = static_cast<const T*>(input);
+  const auto vmax = V::set1(max), vscale = V::set1(inv_temperature);
+  auto acc = V::zero();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto e = V::exp(V::mul(V::sub(V::load(x + i), vmax), vscale));
+    V::store(p + i, e);
+    acc = V::add(acc, e);
+  }
+  double sum = V::reduce_add(acc);
+  for (; i < n; ++i) {
+    p[i] = std::exp((to_float(x[i]) - max) * inv_temperature);
+    sum += p[i];
+  }
+  return sum;
+}
+
+template <class V, typename T>
+int64_t collect_greater(const void* input, int64_t begin, int64_t end, float threshold, int32_t* out) {
+  constexpr int W = V::kWidth;
+  const T* x = static_cast<const T*>(input);
+  const auto vthr = V::set1(threshold);
+  int64_t count = 0, i = begin;
+  for (; i + W <= end; i += W) {
+    unsigned mask = V::greater_mask(V::load(x + i), vthr);
+    while (mask != 0) {
+      out[count++] = int32_t(i + __builtin_ctz(mask));
+      mask &= mask - 1;
+    }
+  }
+  for (; i < end; ++i) {
+    if (to_float(x[i]) > threshold) out[count++] = int32_t(i);
+  }
+  return count;
+}
+
+template <class V, typename T>
+void fill_sampling_entries(KernelTable& t, DType dtype) {
+  t.row_max[int(dtype)] = row_max<V, T>;
+  t.exp_sum[int(dtype)] = exp_sum<V, T>;
+  t.collect_greater[int(dtype)] = collect_greater<V, T>;
+}
+
+template <class V, typename T>
 void fill_attention_row(PagedAttentionFn (&row)[3]) {
   row[0] = paged_attention<V, T, 64>;
   row[1] = paged_attention<V, T, 128>;
@@ -231,6 +301,9 @@ KernelTable make_kernel_table(const char* isa) {
   fill_attention_row<V, float>(t.paged_attention[int(DType::kFloat32)]);
   fill_attention_row<V, float16>(t.paged_attention[int(DType::kFloat16)]);
   fill_attention_row<V, bfloat16>(t.paged_attention[int(DType::kBFloat16)]);
+  fill_sampling_entries<V, float>(t, DType::kFloat32);
+  fill_sampling_entries<V, float16>(t, DType::kFloat16);
+  fill_sampling_entries<V, bfloat16>(t, DType::kBFloat16);
   return t;
 }
 

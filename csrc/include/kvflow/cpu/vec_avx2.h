@@ -47,6 +47,8 @@ struct VecAvx2 {
   static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg min(Reg a, Reg b) { return _mm256_min_ps(a, b); }
   static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  // Bit j set where lane j of a > lane j of b (false for NaN).
+  static unsigned greater_mask(Reg a, Reg b) { return unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg round(Reg a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // x * 2^n for integral n in [-126, 127], 2^n built in the exponent field.

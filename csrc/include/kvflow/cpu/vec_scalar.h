@@ -27,6 +27,8 @@ struct VecScalar {
   static float reduce_add(Reg a) { return a; }
   static float reduce_max(Reg a) { return a; }
   static Reg max(Reg a, Reg b) { return a > b ? a : b; }
+  // Bit j set where lane j of a > lane j of b (false for NaN).
+  static unsigned greater_mask(Reg a, Reg b) { return a > b ? 1u : 0u; }
   // lane j of the result = sum of the lanes of sums[j], for j < kWidth.
   static Reg transpose_sum(const Reg* sums) { return sums[0]; }
 };

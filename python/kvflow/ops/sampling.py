@@ -1,0 +1,101 @@
+"""Sampling: penalties, the filtered distribution (temperature, top-k, top-p, min-p), seeded
+draws, and log-probabilities."""
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of logits [batch, vocab] -> int64 [batch].
+
+    Per row (parameters are [batch] tensors: temperature, top_p, min_p float32; top_k int32;
+    seeds, offsets int64): temperature 0 is greedy (argmax, lowest index on ties). Otherwise
+    p = softmax(logits / T); keep the top_k most likely (0 = all; ties: lower index first); of
+    those the smallest set, most likely first, whose mass reaches top_p (1 = all); drop tokens
+    below min_p x the most likely one's probability (0 = off); draw from what is left with the
+    Philox generator keyed by (seed, offset), where offset is the index of the output token being
+    drawn. The token therefore depends only on the row's logits, parameters, seed and offset: the
+    same in any batch, at any row. -inf logits are masked tokens; NaN or +inf are errors (CPU).
+    """
+    return torch.ops.kvflow.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+
+def apply_sampling_filters(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """In place on float32 logits [batch, vocab]: the distribution sample() draws from, as logits.
+
+    Kept tokens become logits / T, the rest -inf (greedy rows keep only the argmax), so
+    log_softmax of the result is the processed log-probability. Returns logits.
+    """
+    torch.ops.kvflow.apply_sampling_filters(logits, temperature, top_k, top_p, min_p)
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    prompt_offsets: torch.Tensor,
+    output_token_ids: torch.Tensor,
+    output_offsets: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """In place on float32 logits [batch, vocab], as Hugging Face and vLLM define them.
+
+    Row b's prompt tokens are prompt_token_ids[prompt_offsets[b]:prompt_offsets[b + 1]] (int64,
+    packed), its output tokens likewise. Every distinct token seen in prompt or output: a positive
+    logit is divided by repetition_penalty, a negative one multiplied (1 = off). Then every output
+    token t with count c: logit -= frequency_penalty * c + presence_penalty. Returns logits.
+    """
+    torch.ops.kvflow.apply_penalties(logits, prompt_token_ids, prompt_offsets, output_token_ids, output_offsets,
+                                     repetition_penalty, frequency_penalty, presence_penalty)
+    return logits
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax(logits) at token_ids [batch] -> float32 [batch], and the num_top (<= 20) most
+    likely tokens -> (int64 [batch, num_top], float32 [batch, num_top]), most likely first.
+
+    Pass the raw model logits for vLLM's default (before penalties, temperature and filters),
+    or the output of apply_sampling_filters for the processed distribution.
+    """
+    return torch.ops.kvflow.compute_logprobs(logits, token_ids, num_top)
+
+
+@torch.library.register_fake("kvflow::sample")
+def _sample_fake(logits, temperature, top_k, top_p, min_p, seeds, offsets):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+@torch.library.register_fake("kvflow::apply_sampling_filters")
+def _apply_sampling_filters_fake(logits, temperature, top_k, top_p, min_p):
+    return None
+
+
+@torch.library.register_fake("kvflow::apply_penalties")
+def _apply_penalties_fake(logits, prompt_token_ids, prompt_offsets, output_token_ids, output_offsets,
+                          repetition_penalty, frequency_penalty, presence_penalty):
+    return None
+
+
+@torch.library.register_fake("kvflow::compute_logprobs")
+def _compute_logprobs_fake(logits, token_ids, num_top):
+    batch = logits.shape[0]
+    return (logits.new_empty((batch,), dtype=torch.float32),
+            logits.new_empty((batch, num_top), dtype=torch.int64),
+            logits.new_empty((batch, num_top), dtype=torch.float32))
