@@ -48,10 +48,11 @@ def tv_bound(support, draws, delta=1e-6):
 
 def draw_many(logits_row, n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234):
     """n independent draws: the same row n times, output offsets 0 .. n - 1."""
+    device = logits_row.device
     logits = logits_row.expand(n, -1).contiguous()
-    offsets = torch.arange(n, dtype=torch.int64)
-    seeds = torch.full((n,), seed, dtype=torch.int64)
-    return ops.sample(logits, *params(n, temperature, top_k, top_p, min_p), seeds, offsets)
+    offsets = torch.arange(n, dtype=torch.int64, device=device)
+    seeds = torch.full((n,), seed, dtype=torch.int64, device=device)
+    return ops.sample(logits, *params(n, temperature, top_k, top_p, min_p, device), seeds, offsets)
 
 
 CASES = [
@@ -185,6 +186,11 @@ def test_compute_logprobs(device, dtype):
     torch.testing.assert_close(top_lp.double(), values, rtol=1e-5, atol=1e-5)
     empty = ops.compute_logprobs(logits, tokens, 0)
     assert empty[1].shape == (6, 0)
+    masked = torch.full((1, 9), float("-inf"), device=device)
+    masked[0, 4] = masked[0, 7] = 1.0
+    _, ids, lps = ops.compute_logprobs(masked, torch.tensor([4], device=device), 4)
+    assert ids.tolist() == [[4, 7, 0, 1]]  # the two finite tokens, then -inf ones by index
+    assert torch.isinf(lps[0, 2:]).all()
 
 
 def test_bad_input_is_rejected_clearly():

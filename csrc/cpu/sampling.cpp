@@ -370,11 +370,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor
       chosen.data_ptr<float>()[b] = logit_at(row, dtype, ids[b]) - log_z;
       if (num_top == 0) continue;
       top_k_candidates(kt, dtype, row, vocab, num_top, max, 1.f, s);
+      // Fewer finite logits than num_top: the rest are -inf tokens, lowest index first.
+      for (int64_t i = 0; int64_t(s.tokens.size()) < num_top; ++i) {
+        if (logit_at(row, dtype, i) == -std::numeric_limits<float>::infinity()) s.tokens.push_back({int32_t(i), 0.f});
+      }
       for (int64_t i = 0; i < num_top; ++i) {
-        const bool have = i < int64_t(s.tokens.size());
-        top_ids.data_ptr<int64_t>()[b * num_top + i] = have ? s.tokens[i].index : 0;
-        top_logprobs.data_ptr<float>()[b * num_top + i] =
-            have ? logit_at(row, dtype, s.tokens[i].index) - log_z : -std::numeric_limits<float>::infinity();
+        top_ids.data_ptr<int64_t>()[b * num_top + i] = s.tokens[i].index;
+        top_logprobs.data_ptr<float>()[b * num_top + i] = logit_at(row, dtype, s.tokens[i].index) - log_z;
       }
     }
   });

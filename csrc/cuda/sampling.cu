@@ -1,0 +1,117 @@
+// sample, apply_sampling_filters, apply_penalties and compute_logprobs on CUDA: checks of dtypes,
+// shapes and devices only (values are never read on the host, so nothing synchronises), device
+// guard, current stream, dtype dispatch, then the kernels of kvflow/sampling.cuh.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kvflow/sampling.cuh"
+#include "op_checks.h"
+#include "ops.h"
+
+namespace kvflow::cuda {
+
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+                  const at::Tensor& offsets) {
+  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
+  check_row_param(seeds, "seeds", at::kLong, logits);
+  check_row_param(offsets, "offsets", at::kLong, logits);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor tokens = at::empty({g.batch}, logits.options().dtype(at::kLong));
+  const cudaError_t err = cuda_kernels::dispatch_dtype(g.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return cuda_kernels::sample(tokens.data_ptr<int64_t>(), static_cast<const T*>(logits.data_ptr()),
+                                logits.stride(0), g.batch, g.vocab, temperature.data_ptr<float>(),
+                                top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>(),
+                                seeds.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), stream);
+  });
+  TORCH_CHECK(err == cudaSuccess, "sample: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return tokens;
+}
+
+void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                            const at::Tensor& top_p, const at::Tensor& min_p) {
+  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
+  TORCH_CHECK(g.dtype == DType::kFloat32, "apply_sampling_filters needs float32 logits, got ",
+              logits.scalar_type());
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = cuda_kernels::apply_sampling_filters(
+      logits.data_ptr<float>(), logits.stride(0), g.batch, g.vocab, temperature.data_ptr<float>(),
+      top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>(), stream);
+  TORCH_CHECK(err == cudaSuccess, "apply_sampling_filters: CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, const at::Tensor& prompt_offsets,
+                     const at::Tensor& output_token_ids, const at::Tensor& output_offsets,
+                     const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
+                     const at::Tensor& presence_penalty) {
+  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
+              logits.scalar_type());
+  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
+  const int64_t batch = logits.size(0), vocab = logits.size(1);
+  check_index_tensor(prompt_token_ids, "prompt_token_ids", at::kLong, logits);
+  check_index_tensor(output_token_ids, "output_token_ids", at::kLong, logits);
+  TORCH_CHECK(prompt_token_ids.dim() == 1, "prompt_token_ids must be 1-D (all rows' tokens, packed), got shape ",
+              prompt_token_ids.sizes());
+  TORCH_CHECK(output_token_ids.dim() == 1, "output_token_ids must be 1-D (all rows' tokens, packed), got shape ",
+              output_token_ids.sizes());
+  check_index_tensor(prompt_offsets, "prompt_offsets", at::kLong, logits);
+  check_index_tensor(output_offsets, "output_offsets", at::kLong, logits);
+  TORCH_CHECK(prompt_offsets.dim() == 1 && prompt_offsets.size(0) == batch + 1, "prompt_offsets must be [",
+              batch + 1, "] (batch + 1), got shape ", prompt_offsets.sizes());
+  TORCH_CHECK(output_offsets.dim() == 1 && output_offsets.size(0) == batch + 1, "output_offsets must be [",
+              batch + 1, "] (batch + 1), got shape ", output_offsets.sizes());
+  check_row_param(repetition_penalty, "repetition_penalty", at::kFloat, logits);
+  check_row_param(frequency_penalty, "frequency_penalty", at::kFloat, logits);
+  check_row_param(presence_penalty, "presence_penalty", at::kFloat, logits);
+  if (batch == 0 || vocab == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Per row: output counts and a prompt mark for each token; the kernel leaves it zeros again.
+  at::Tensor scratch = at::zeros({batch, vocab}, logits.options().dtype(at::kInt));
+  const cudaError_t err = cuda_kernels::apply_penalties(
+      logits.data_ptr<float>(), logits.stride(0), batch, vocab, prompt_token_ids.data_ptr<int64_t>(),
+      prompt_offsets.data_ptr<int64_t>(), output_token_ids.data_ptr<int64_t>(), output_offsets.data_ptr<int64_t>(),
+      repetition_penalty.data_ptr<float>(), frequency_penalty.data_ptr<float>(), presence_penalty.data_ptr<float>(),
+      scratch.data_ptr<int32_t>(), stream);
+  TORCH_CHECK(err == cudaSuccess, "apply_penalties: CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
+                                                                int64_t num_top) {
+  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  const DType dtype = kernel_dtype(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+  const int64_t batch = logits.size(0), vocab = logits.size(1);
+  check_row_param(token_ids, "token_ids", at::kLong, logits);
+  TORCH_CHECK(num_top >= 0 && num_top <= cuda_kernels::kMaxTopLogprobs && num_top <= vocab,
+              "num_top must be in [0, min(20, vocab)], got ", num_top, " for a vocabulary of ", vocab);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto options = logits.options().dtype(at::kFloat);
+  at::Tensor chosen = at::empty({batch}, options);
+  at::Tensor top_ids = at::empty({batch, num_top}, options.dtype(at::kLong));
+  at::Tensor top_logprobs = at::empty({batch, num_top}, options);
+  const cudaError_t err = cuda_kernels::dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return cuda_kernels::compute_logprobs(chosen.data_ptr<float>(), top_ids.data_ptr<int64_t>(),
+                                          top_logprobs.data_ptr<float>(), static_cast<const T*>(logits.data_ptr()),
+                                          logits.stride(0), batch, vocab, token_ids.data_ptr<int64_t>(), num_top,
+                                          stream);
+  });
+  TORCH_CHECK(err == cudaSuccess, "compute_logprobs: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return {chosen, top_ids, top_logprobs};
+}
+
+}  // namespace kvflow::cuda
