@@ -27,6 +27,12 @@ inline DType kernel_dtype(const at::Tensor& t, const char* name) {
   }
 }
 
+// The implementation registered for one device type received a tensor of another.
+inline void check_device_type(const at::Tensor& t, const char* name, c10::DeviceType type) {
+  TORCH_CHECK(t.device().type() == type, name, " must be a ", c10::DeviceTypeName(type, /*lower_case=*/false),
+              " tensor, got ", t.device());
+}
+
 inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " has dtype ", t.scalar_type(), " but ", ref_name,

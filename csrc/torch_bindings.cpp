@@ -103,7 +103,7 @@ PYBIND11_MODULE(_C, m) {
       "cpu_isa", [] { return std::string(kvflow::cpu::active_kernels().isa); },
       "The instruction set the CPU kernels use now.");
   m.def("set_cpu_isa", &kvflow::cpu::set_isa, py::arg("name"),
-        "Switch the CPU kernels to 'scalar', 'avx2' or 'avx512' (must be supported here).");
+        "Switch the CPU kernels to 'scalar', 'avx2', 'avx512' or 'avx512_bf16' (must be supported here).");
 
   // The KV block pool the scheduler drives every step; see block_allocator.h for the semantics.
   using kvflow::BlockAllocator;

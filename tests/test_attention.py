@@ -130,6 +130,26 @@ def test_attention_metadata_build():
         AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
     with pytest.raises(ValueError, match="query length 4 must be in"):
         AttentionMetadata.build([4], [3], [[0]], block_size=4)
+    with pytest.raises(ValueError, match=r"block table \[7, 9\] holds ids outside \[0, 8\)"):
+        AttentionMetadata.build([1], [5], [[7, 9]], block_size=4, num_blocks=8)
+
+
+def test_caller_workspace_serves_the_key_splits(device):
+    # A long single decode splits its keys; the partial results go to the caller's buffer.
+    torch.manual_seed(8)
+    block_size, seq_len = 16, 1500
+    num_blocks = seq_len // block_size + 1
+    key_cache = torch.randn(num_blocks, block_size, 3, 64, device=device)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(1, 9, 64, device=device)
+    table = list(range(num_blocks))
+    md = AttentionMetadata.build([1], [seq_len], [table], block_size, device, num_blocks=num_blocks,
+                                 workspace=torch.full((1 << 20,), float("nan"), device=device))
+    out = ops.paged_attention(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens, 0.125,
+                              md.max_query_len, md.max_seq_len, workspace=md.workspace)
+    expected = reference_attention(query, key_cache, value_cache, [1], [seq_len], [table], 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(md.workspace).any(), "the op did not use the workspace it was given"
 
 
 def bad_call(**overrides):

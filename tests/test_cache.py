@@ -63,6 +63,9 @@ def test_cache_ops_reject_bad_input_and_leave_cache_untouched():
     with pytest.raises(RuntimeError, match=r"slot_mapping\[3\] = 32 is outside \[-1, 32\)"):
         ops.reshape_and_cache(key, key, cache, value_cache, slots)
     assert torch.equal(cache, before)
+    with pytest.raises(RuntimeError, match="slot_mapping holds slot 2 more than once"):
+        ops.reshape_and_cache(key, key, cache, value_cache, torch.tensor([2, -1, 2, -1]))
+    assert torch.equal(cache, before)
     with pytest.raises(RuntimeError, match="slot_mapping must be Long"):
         ops.reshape_and_cache(key, key, cache, value_cache, slots.int())
     with pytest.raises(RuntimeError, match="key's head_dim 128 differs from key_cache's head_dim 64"):

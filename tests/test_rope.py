@@ -101,8 +101,10 @@ def test_rotary_embedding_rejects_bad_input():
     k = torch.randn(4, 64)
     cache = ops.compute_cos_sin_cache(64, 16)
     pos = torch.arange(4)
+    q_before, k_before = q.clone(), k.clone()
     with pytest.raises(RuntimeError, match=r"positions\[3\] = 16 is outside the cos_sin_cache range"):
         ops.rotary_embedding(pos + 13, q, k, 64, cache)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # nothing rotated before the error
     with pytest.raises(RuntimeError, match="positions must be Long"):
         ops.rotary_embedding(pos.int(), q, k, 64, cache)
     with pytest.raises(RuntimeError, match="query's 128 features are not a multiple of head_size 48"):

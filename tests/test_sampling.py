@@ -223,6 +223,14 @@ def test_bad_input_is_rejected_clearly():
         ops.sample(logits, params(2)[0], torch.zeros(2, dtype=torch.int64), *params(2)[2:], seeds, offsets)
     with pytest.raises(RuntimeError, match=r"temperature must be \[2\]"):
         ops.sample(logits, torch.ones(3), *params(2)[1:], seeds, offsets)
-    with pytest.raises(RuntimeError, match=r"output_token_ids\[0\] = 10 is not a token id"):
-        ops.apply_penalties(logits, *packed([[], []], "cpu"), *packed([[10], []], "cpu"), torch.ones(2),
-                            torch.zeros(2), torch.zeros(2))
+    before = logits.clone()
+    with pytest.raises(RuntimeError, match=r"output_token_ids\[1\] = 10 is not a token id"):
+        ops.apply_penalties(logits, *packed([[1], []], "cpu"), *packed([[2], [10]], "cpu"), torch.full((2,), 2.0),
+                            torch.ones(2), torch.ones(2))
+    assert torch.equal(logits, before)
+    # A bad second row fails the whole call before the first row is filtered.
+    bad = logits.clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match=r"logits\[1, 3\] is nan"):
+        ops.apply_sampling_filters(bad, *params(2, temperature=0.5, top_k=2))
+    assert torch.equal(bad[0], logits[0])

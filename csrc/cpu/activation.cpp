@@ -9,7 +9,7 @@ namespace kvflow::cpu {
 namespace {
 
 void gated_activation(at::Tensor& out, const at::Tensor& input, GatedActivationFn const (&kernels)[kNumDTypes]) {
-  TORCH_CHECK(input.device().is_cpu(), "input must be a CPU tensor, got ", input.device());
+  check_device_type(input, "input", c10::DeviceType::CPU);
   const GatedGeometry g = check_gated_args(out, input);
   const GatedActivationFn kernel = kernels[int(g.dtype)];
   const int64_t d = g.out.width;

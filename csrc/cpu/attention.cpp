@@ -104,7 +104,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& seq_lens, double scale, int64_t max_query_len, int64_t max_seq_len,
                      int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& workspace) {
-  TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
+  check_device_type(query, "query", c10::DeviceType::CPU);
   const AttentionGeometry g =
       check_paged_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                                  max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace);

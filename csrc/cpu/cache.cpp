@@ -3,6 +3,7 @@
 // bad index leaves the cache untouched.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -13,13 +14,19 @@ namespace kvflow::cpu {
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.device().is_cpu(), "key must be a CPU tensor, got ", key.device());
+  check_device_type(key, "key", c10::DeviceType::CPU);
   const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < g.num_tokens; ++t) {
     TORCH_CHECK(slots[t] >= -1 && slots[t] < g.num_slots, "slot_mapping[", t, "] = ", slots[t],
                 " is outside [-1, ", g.num_slots, ") (num_blocks * block_size; -1 skips the token)");
   }
+  // Tokens are copied in parallel: two writing one slot would leave it a mix of both.
+  std::vector<int64_t> used(slots, slots + g.num_tokens);
+  std::sort(used.begin(), used.end());
+  const auto repeat = std::adjacent_find(std::lower_bound(used.begin(), used.end(), int64_t(0)), used.end());
+  TORCH_CHECK(repeat == used.end(), "slot_mapping holds slot ", repeat == used.end() ? 0 : *repeat,
+              " more than once");
   const int64_t elem = key.element_size();
   const int64_t row_bytes = g.token_elems * elem;
   const char* k = static_cast<const char*>(key.data_ptr());
@@ -40,7 +47,7 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at
                  const at::Tensor& block_mapping) {
   const CopyBlocksGeometry g = check_copy_blocks_args(key_caches, value_caches, block_mapping);
   if (key_caches.empty() || g.num_pairs == 0) return;
-  TORCH_CHECK(key_caches[0].device().is_cpu(), "key_caches must be CPU tensors, got ", key_caches[0].device());
+  check_device_type(key_caches[0], "key_caches", c10::DeviceType::CPU);
   const int64_t* pairs = block_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < 2 * g.num_pairs; ++i) {
     TORCH_CHECK(pairs[i] >= 0 && pairs[i] < g.num_blocks, "block_mapping[", i / 2, "][", i % 2, "] = ", pairs[i],

@@ -11,15 +11,11 @@ namespace {
 // Enough elements per task that the thread hand-off is noise against the row work.
 int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
-void check_host(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
-}
-
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon,
               double weight_offset) {
-  check_host(input, "input");
+  check_device_type(input, "input", c10::DeviceType::CPU);
   const NormGeometry g = check_norm_args(input, "input", out, "out", weight, epsilon);
   const RmsNormFn kernel = active_kernels().rms_norm[int(g.dtype)];
   void* out_ptr = out.data_ptr();
@@ -33,7 +29,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon,
                         double weight_offset) {
-  check_host(input, "input");
+  check_device_type(input, "input", c10::DeviceType::CPU);
   const NormGeometry g = check_norm_args(input, "input", residual, "residual", weight, epsilon);
   const FusedAddRmsNormFn kernel = active_kernels().fused_add_rms_norm[int(g.dtype)];
   void* in_ptr = input.data_ptr();

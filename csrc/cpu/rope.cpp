@@ -10,7 +10,7 @@ namespace kvflow::cpu {
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
                       int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
-  TORCH_CHECK(query.device().is_cpu(), "query must be a CPU tensor, got ", query.device());
+  check_device_type(query, "query", c10::DeviceType::CPU);
   const RotaryGeometry g = check_rotary_args(positions, query, key, head_size, cos_sin_cache);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < g.num_tokens; ++t) {

@@ -161,8 +161,7 @@ int32_t argmax(const void* row, DType dtype, int64_t vocab) {
 
 // The tokens a row may draw, with their unnormalised probabilities, in increasing index order.
 void kept_tokens(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, const RowParams& r,
-                 int64_t row_index, Scratch& s) {
-  const float max = checked_max(kt, dtype, row, vocab, row_index);
+                 float max, Scratch& s) {
   s.kept.clear();
   if (r.temperature == 0.f) {
     s.kept.push_back({argmax(row, dtype, vocab), 1.f});
@@ -194,7 +193,8 @@ void kept_tokens(const KernelTable& kt, DType dtype, const void* row, int64_t vo
     }
   }
   if (r.min_p > 0.f) {  // p is relative to the most likely token, whose p is 1
-    std::erase_if(s.kept, [&](const Token& t) { return t.p < r.min_p; });
+    s.kept.erase(std::remove_if(s.kept.begin(), s.kept.end(), [&](const Token& t) { return t.p < r.min_p; }),
+                 s.kept.end());
   }
   std::sort(s.kept.begin(), s.kept.end(), [](const Token& a, const Token& b) { return a.index < b.index; });
 }
@@ -211,16 +211,26 @@ int32_t draw(const std::vector<Token>& kept, uint64_t seed, uint64_t offset) {
   return kept.back().index;
 }
 
-RowParams row_params(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                     const at::Tensor& min_p, int64_t b) {
-  RowParams r{temperature.data_ptr<float>()[b], top_k.data_ptr<int32_t>()[b], top_p.data_ptr<float>()[b],
-              min_p.data_ptr<float>()[b]};
-  check_params(r, b);
-  return r;
-}
+// Every row's parameters and max logit, checked before any row is sampled or written, so that
+// a bad row leaves every output and every row of logits untouched.
+struct CheckedRows {
+  std::vector<RowParams> params;
+  std::vector<float> max;
+};
 
-void check_host(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+CheckedRows check_rows(const KernelTable& kt, DType dtype, const char* base, int64_t row_bytes, int64_t batch,
+                       int64_t vocab, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p) {
+  CheckedRows rows{std::vector<RowParams>(batch), std::vector<float>(batch)};
+  for (int64_t b = 0; b < batch; ++b) {
+    rows.params[b] = {temperature.data_ptr<float>()[b], top_k.data_ptr<int32_t>()[b], top_p.data_ptr<float>()[b],
+                      min_p.data_ptr<float>()[b]};
+    check_params(rows.params[b], b);
+  }
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) rows.max[b] = checked_max(kt, dtype, base + b * row_bytes, vocab, b);
+  });
+  return rows;
 }
 
 }  // namespace
@@ -228,21 +238,20 @@ void check_host(const at::Tensor& t, const char* name) {
 at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                   const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
                   const at::Tensor& offsets) {
-  check_host(logits, "logits");
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
   const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
   check_row_param(seeds, "seeds", at::kLong, logits);
   check_row_param(offsets, "offsets", at::kLong, logits);
-  at::Tensor tokens = at::empty({g.batch}, logits.options().dtype(at::kLong));
-  for (int64_t b = 0; b < g.batch; ++b) row_params(temperature, top_k, top_p, min_p, b);  // fail before any work
   const KernelTable& kt = active_kernels();
   const char* base = static_cast<const char*>(logits.data_ptr());
   const int64_t row_bytes = logits.stride(0) * logits.element_size();
+  const CheckedRows rows = check_rows(kt, g.dtype, base, row_bytes, g.batch, g.vocab, temperature, top_k, top_p, min_p);
+  at::Tensor tokens = at::empty({g.batch}, logits.options().dtype(at::kLong));
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, g.batch, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t b = begin; b < end; ++b) {
-      const RowParams r = row_params(temperature, top_k, top_p, min_p, b);
-      kept_tokens(kt, g.dtype, base + b * row_bytes, g.vocab, r, b, scratch);
+      kept_tokens(kt, g.dtype, base + b * row_bytes, g.vocab, rows.params[b], rows.max[b], scratch);
       out[b] = draw(scratch.kept, uint64_t(seeds.data_ptr<int64_t>()[b]), uint64_t(offsets.data_ptr<int64_t>()[b]));
     }
   });
@@ -251,19 +260,23 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 
 void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                             const at::Tensor& top_p, const at::Tensor& min_p) {
-  check_host(logits, "logits");
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
   const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
   TORCH_CHECK(g.dtype == DType::kFloat32, "apply_sampling_filters needs float32 logits, got ", logits.scalar_type());
-  for (int64_t b = 0; b < g.batch; ++b) row_params(temperature, top_k, top_p, min_p, b);
   const KernelTable& kt = active_kernels();
+  float* base = logits.data_ptr<float>();
+  const CheckedRows rows = check_rows(kt, g.dtype, reinterpret_cast<const char*>(base),
+                                      logits.stride(0) * int64_t(sizeof(float)), g.batch, g.vocab, temperature, top_k,
+                                      top_p, min_p);
   at::parallel_for(0, g.batch, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
+    std::vector<float> values;
     for (int64_t b = begin; b < end; ++b) {
-      const RowParams r = row_params(temperature, top_k, top_p, min_p, b);
-      float* row = logits.data_ptr<float>() + b * logits.stride(0);
-      kept_tokens(kt, g.dtype, row, g.vocab, r, b, scratch);
+      const RowParams& r = rows.params[b];
+      float* row = base + b * logits.stride(0);
+      kept_tokens(kt, g.dtype, row, g.vocab, r, rows.max[b], scratch);
       const float scale = r.temperature == 0.f ? 1.f : 1.f / r.temperature;
-      std::vector<float> values(scratch.kept.size());
+      values.resize(scratch.kept.size());
       for (size_t i = 0; i < values.size(); ++i) values[i] = row[scratch.kept[i].index] * scale;
       std::fill(row, row + g.vocab, -std::numeric_limits<float>::infinity());
       for (size_t i = 0; i < values.size(); ++i) row[scratch.kept[i].index] = values[i];
@@ -275,7 +288,7 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
                      const at::Tensor& output_token_ids, const at::Tensor& output_offsets,
                      const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
                      const at::Tensor& presence_penalty) {
-  check_host(logits, "logits");
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
   TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
               logits.scalar_type());
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [batch, vocab] with unit vocab stride");
@@ -341,7 +354,7 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                 int64_t num_top) {
-  check_host(logits, "logits");
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
   const DType dtype = kernel_dtype(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [batch, vocab] with unit vocab stride");
   const int64_t batch = logits.size(0), vocab = logits.size(1);
@@ -360,11 +373,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor
   const KernelTable& kt = active_kernels();
   const char* base = static_cast<const char*>(logits.data_ptr());
   const int64_t row_bytes = logits.stride(0) * logits.element_size();
+  std::vector<float> row_max(batch);
+  for (int64_t b = 0; b < batch; ++b) row_max[b] = checked_max(kt, dtype, base + b * row_bytes, vocab, b);
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     Scratch s;
     for (int64_t b = begin; b < end; ++b) {
       const void* row = base + b * row_bytes;
-      const float max = checked_max(kt, dtype, row, vocab, b);
+      const float max = row_max[b];
       s.p.resize(vocab);
       const float log_z = max + float(std::log(kt.exp_sum[int(dtype)](row, vocab, max, 1.f, s.p.data())));
       chosen.data_ptr<float>()[b] = logit_at(row, dtype, ids[b]) - log_z;

@@ -13,7 +13,7 @@ namespace {
 
 template <class Act>
 void gated_activation(at::Tensor& out, const at::Tensor& input, const char* op) {
-  TORCH_CHECK(input.device().is_cuda(), "input must be a CUDA tensor, got ", input.device());
+  check_device_type(input, "input", c10::DeviceType::CUDA);
   const GatedGeometry g = check_gated_args(out, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

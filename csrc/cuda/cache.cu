@@ -15,7 +15,7 @@ namespace kvflow::cuda {
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                        const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.device().is_cuda(), "key must be a CUDA tensor, got ", key.device());
+  check_device_type(key, "key", c10::DeviceType::CUDA);
   const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaError_t err = cuda_kernels::reshape_and_cache(
@@ -30,7 +30,7 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at
   const CopyBlocksGeometry g = check_copy_blocks_args(key_caches, value_caches, block_mapping);
   if (key_caches.empty() || g.num_pairs == 0) return;
   const at::Tensor& first = key_caches[0];
-  TORCH_CHECK(first.device().is_cuda(), "key_caches must be CUDA tensors, got ", first.device());
+  check_device_type(first, "key_caches", c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(first.device());
   // The kernel finds each cache through a device array of base addresses, ordered
   // (layer 0 key, layer 0 value, layer 1 key, ...), built here and copied on the current stream.

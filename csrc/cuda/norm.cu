@@ -12,7 +12,7 @@ namespace kvflow::cuda {
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon,
               double weight_offset) {
-  TORCH_CHECK(input.device().is_cuda(), "input must be a CUDA tensor, got ", input.device());
+  check_device_type(input, "input", c10::DeviceType::CUDA);
   const NormGeometry g = check_norm_args(input, "input", out, "out", weight, epsilon);
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -28,7 +28,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double epsilon,
                         double weight_offset) {
-  TORCH_CHECK(input.device().is_cuda(), "input must be a CUDA tensor, got ", input.device());
+  check_device_type(input, "input", c10::DeviceType::CUDA);
   const NormGeometry g = check_norm_args(input, "input", residual, "residual", weight, epsilon);
   const c10::cuda::CUDAGuard guard(input.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

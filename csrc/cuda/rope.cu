@@ -12,7 +12,7 @@ namespace kvflow::cuda {
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
                       int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
-  TORCH_CHECK(query.device().is_cuda(), "query must be a CUDA tensor, got ", query.device());
+  check_device_type(query, "query", c10::DeviceType::CUDA);
   const RotaryGeometry g = check_rotary_args(positions, query, key, head_size, cos_sin_cache);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -16,7 +16,7 @@ namespace kvflow::cuda {
 at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                   const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
                   const at::Tensor& offsets) {
-  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  check_device_type(logits, "logits", c10::DeviceType::CUDA);
   const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
   check_row_param(seeds, "seeds", at::kLong, logits);
   check_row_param(offsets, "offsets", at::kLong, logits);
@@ -36,7 +36,7 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 
 void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                             const at::Tensor& top_p, const at::Tensor& min_p) {
-  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  check_device_type(logits, "logits", c10::DeviceType::CUDA);
   const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
   TORCH_CHECK(g.dtype == DType::kFloat32, "apply_sampling_filters needs float32 logits, got ",
               logits.scalar_type());
@@ -52,7 +52,7 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
                      const at::Tensor& output_token_ids, const at::Tensor& output_offsets,
                      const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
                      const at::Tensor& presence_penalty) {
-  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  check_device_type(logits, "logits", c10::DeviceType::CUDA);
   TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
               logits.scalar_type());
   TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
@@ -88,7 +88,7 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                 int64_t num_top) {
-  TORCH_CHECK(logits.device().is_cuda(), "logits must be a CUDA tensor, got ", logits.device());
+  check_device_type(logits, "logits", c10::DeviceType::CUDA);
   const DType dtype = kernel_dtype(logits, "logits");
   TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
   TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");

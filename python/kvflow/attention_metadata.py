@@ -30,9 +30,12 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         workspace: torch.Tensor | None = None,
+        num_blocks: int | None = None,
     ) -> "AttentionMetadata":
         """From per-request new-token counts, context lengths (new tokens included) and block
-        tables. Raises ValueError for inconsistent input, before anything reaches a device."""
+        tables. Raises ValueError for inconsistent input, before anything reaches a device: the
+        CUDA kernels trust these indices. With num_blocks, every block id a context uses must be
+        in [0, num_blocks)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError(
                 f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
@@ -47,6 +50,9 @@ class AttentionMetadata:
                     f"request {b}: seq_len {seq_len} needs {-(-seq_len // block_size)} blocks, "
                     f"its block table has {len(table)}"
                 )
+            used = table[: -(-seq_len // block_size)]
+            if num_blocks is not None and any(not 0 <= block < num_blocks for block in used):
+                raise ValueError(f"request {b}: block table {used} holds ids outside [0, {num_blocks})")
             for pos in range(seq_len - q_len, seq_len):
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)

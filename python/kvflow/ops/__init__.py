@@ -20,7 +20,7 @@ def cpu_isa() -> str:
 
 
 def set_cpu_isa(name: str) -> None:
-    """Switch the CPU kernels to 'scalar', 'avx2' or 'avx512'; raises ValueError if unsupported."""
+    """Switch the CPU kernels to 'scalar', 'avx2', 'avx512' or 'avx512_bf16'; raises ValueError if unsupported."""
     _C.set_cpu_isa(name)
 
 

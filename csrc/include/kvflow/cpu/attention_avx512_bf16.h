@@ -88,24 +88,11 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
 
   // K^T and the interleaved V of one kv head for the chunk's n keys starting at first_slot.
   // Rows past n are zeros: stale cache memory there may hold NaNs, and 0 * NaN is NaN.
-  std::vector<bfloat16> stage_k, stage_v;
-  int64_t stage_stride = 0;
-  // Copies the chunk's rows of kv heads [kv_begin, kv_begin + kv_count) into L1 in address order:
-  // one pass front to back, which the hardware prefetchers follow, instead of per-head strides.
-  auto stage_chunk = [&](int64_t first_slot, int64_t kv_begin, int64_t kv_count, int n) {
-    stage_stride = kv_count * HD;
-    stage_k.resize(16 * stage_stride);
-    stage_v.resize(16 * stage_stride);
-    const bfloat16* k = static_cast<const bfloat16*>(a.key_cache) + first_slot * kv_row_stride + kv_begin * HD;
-    const bfloat16* v = static_cast<const bfloat16*>(a.value_cache) + first_slot * kv_row_stride + kv_begin * HD;
-    for (int j = 0; j < n; ++j) std::memcpy(&stage_k[j * stage_stride], k + j * kv_row_stride, stage_stride * 2);
-    for (int j = 0; j < n; ++j) std::memcpy(&stage_v[j * stage_stride], v + j * kv_row_stride, stage_stride * 2);
-  };
-  auto pack_chunk = [&](int64_t local_kv_head, int n) {
-    const bfloat16* k_rows = stage_k.data() + local_kv_head * HD;
-    const bfloat16* v_rows = stage_v.data() + local_kv_head * HD;
+  auto pack_chunk = [&](int64_t first_slot, int64_t kv_head, int n) {
+    const bfloat16* k_rows = static_cast<const bfloat16*>(a.key_cache) + first_slot * kv_row_stride + kv_head * HD;
+    const bfloat16* v_rows = static_cast<const bfloat16*>(a.value_cache) + first_slot * kv_row_stride + kv_head * HD;
     auto row_block = [&](const bfloat16* base, int j, int b) {
-      return j < n ? _mm512_loadu_si512(base + j * stage_stride + b * 32) : _mm512_setzero_si512();
+      return j < n ? _mm512_loadu_si512(base + j * kv_row_stride + b * 32) : _mm512_setzero_si512();
     };
     for (int g = 0; g < kPairs / 16; ++g) {
       __m512i r[16];
@@ -145,10 +132,9 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
       const NextChunkPrefetch<bfloat16> prefetch(a, block_table, c0 + 16, key_hi, rows);
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
-      stage_chunk(first_slot, it.kv_head, it.kv_count, n);
       for (int64_t r = 0; r < rows; ++r) {
         prefetch.issue(r);
-        if (r % rows_per_kv_head == 0) pack_chunk(r / rows_per_kv_head, n);
+        if (r % rows_per_kv_head == 0) pack_chunk(first_slot, it.kv_head + r / rows_per_kv_head, n);
         const int64_t pos = first_pos + (r % rows_per_kv_head) / group;
         int64_t lo = std::max<int64_t>(it.key_begin, c0);
         if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);

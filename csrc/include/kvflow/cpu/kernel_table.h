@@ -100,8 +100,8 @@ using PagedAttentionFn = void (*)(const PagedAttentionArgs& args, const Attentio
 
 // Passes over one row of logits [n] (the sampler's vectorised parts; selection logic is in
 // cpu/sampling.cpp).
-// The largest value; *non_finite is set when the row holds a NaN or an infinity (the caller tells
-// a legal -inf from a NaN or +inf with a scalar look, only then).
+// The largest value; *non_finite is set when the row holds a NaN or a +inf (-inf is a masked
+// token, which is legal).
 using RowMaxFn = float (*)(const void* x, int64_t n, bool* non_finite);
 // p[i] = exp((x[i] - max) * inv_temperature); returns the sum of p.
 using ExpSumFn = double (*)(const void* x, int64_t n, float max, float inv_temperature, float* p);

@@ -200,26 +200,26 @@ void gated_activation(void* out, int64_t out_stride, const void* input, int64_t 
 namespace kvflow::cpu {
 namespace {
 
+// -inf (a masked token) is legal; *non_finite reports a NaN or a +inf.
 template <class V, typename T>
 float row_max(const void* input, int64_t n, bool* non_finite) {
   constexpr int W = V::kWidth;
   const T* x = static_cast<const T*>(input);
   auto vmax = V::set1(-std::numeric_limits<float>::infinity());
-  auto poison = V::zero();  // x * 0 is NaN exactly when x is NaN or infinite
+  bool nan = false;
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     const auto v = V::load(x + i);
     vmax = V::max(vmax, v);
-    poison = V::fmadd(v, V::zero(), poison);
+    nan |= V::any_nan(v);
   }
   float m = V::reduce_max(vmax);
-  float p = V::reduce_add(poison);
   for (; i < n; ++i) {
     const float v = to_float(x[i]);
     m = v > m ? v : m;
-    p += v * 0.f;
+    nan |= v != v;
   }
-  *non_finite = !(p == 0.f);
+  *non_finite = nan || m == std::numeric_limits<float>::infinity();
   return m;
 }
 

@@ -47,6 +47,7 @@ struct VecAvx2 {
   static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
   static Reg min(Reg a, Reg b) { return _mm256_min_ps(a, b); }
   static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  static bool any_nan(Reg a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
   // Bit j set where lane j of a > lane j of b (false for NaN).
   static unsigned greater_mask(Reg a, Reg b) { return unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ))); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }

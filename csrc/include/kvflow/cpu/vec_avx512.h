@@ -47,6 +47,7 @@ struct VecAvx512 {
   static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
   static Reg min(Reg a, Reg b) { return _mm512_min_ps(a, b); }
   static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  static bool any_nan(Reg a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
   // Bit j set where lane j of a > lane j of b (false for NaN).
   static unsigned greater_mask(Reg a, Reg b) { return unsigned(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)); }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }

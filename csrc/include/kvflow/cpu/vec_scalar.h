@@ -27,6 +27,7 @@ struct VecScalar {
   static float reduce_add(Reg a) { return a; }
   static float reduce_max(Reg a) { return a; }
   static Reg max(Reg a, Reg b) { return a > b ? a : b; }
+  static bool any_nan(Reg a) { return a != a; }
   // Bit j set where lane j of a > lane j of b (false for NaN).
   static unsigned greater_mask(Reg a, Reg b) { return a > b ? 1u : 0u; }
   // lane j of the result = sum of the lanes of sums[j], for j < kWidth.
