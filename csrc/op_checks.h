@@ -323,6 +323,13 @@ inline AttentionGeometry check_paged_attention_args(const at::Tensor& out, const
   return g;
 }
 
+// logits [batch, vocab] with unit stride along the vocabulary (rows may be strided).
+inline void check_logits_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
+  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+}
+
 struct SamplingGeometry {
   int64_t batch;
   int64_t vocab;
@@ -340,9 +347,7 @@ inline SamplingGeometry check_sampling_args(const at::Tensor& logits, const at::
                                             const at::Tensor& min_p) {
   SamplingGeometry g{};
   g.dtype = kernel_dtype(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
-  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
-  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+  check_logits_rows(logits);
   g.batch = logits.size(0);
   g.vocab = logits.size(1);
   check_row_param(temperature, "temperature", at::kFloat, logits);
@@ -350,6 +355,37 @@ inline SamplingGeometry check_sampling_args(const at::Tensor& logits, const at::
   check_row_param(top_p, "top_p", at::kFloat, logits);
   check_row_param(min_p, "min_p", at::kFloat, logits);
   return g;
+}
+
+inline void check_penalty_args(const at::Tensor& logits, const at::Tensor& prompt_token_ids,
+                               const at::Tensor& prompt_offsets, const at::Tensor& output_token_ids,
+                               const at::Tensor& output_offsets, const at::Tensor& repetition_penalty,
+                               const at::Tensor& frequency_penalty, const at::Tensor& presence_penalty) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
+              logits.scalar_type());
+  check_logits_rows(logits);
+  const int64_t batch = logits.size(0);
+  for (const auto& [ids, offsets, ids_name, offsets_name] :
+       {std::tuple{&prompt_token_ids, &prompt_offsets, "prompt_token_ids", "prompt_offsets"},
+        std::tuple{&output_token_ids, &output_offsets, "output_token_ids", "output_offsets"}}) {
+    check_index_tensor(*ids, ids_name, at::kLong, logits);
+    TORCH_CHECK(ids->dim() == 1, ids_name, " must be 1-D (all rows' tokens, packed), got shape ", ids->sizes());
+    check_index_tensor(*offsets, offsets_name, at::kLong, logits);
+    TORCH_CHECK(offsets->dim() == 1 && offsets->size(0) == batch + 1, offsets_name, " must be [", batch + 1,
+                "] (batch + 1), got shape ", offsets->sizes());
+  }
+  check_row_param(repetition_penalty, "repetition_penalty", at::kFloat, logits);
+  check_row_param(frequency_penalty, "frequency_penalty", at::kFloat, logits);
+  check_row_param(presence_penalty, "presence_penalty", at::kFloat, logits);
+}
+
+inline DType check_logprobs_args(const at::Tensor& logits, const at::Tensor& token_ids, int64_t num_top) {
+  const DType dtype = kernel_dtype(logits, "logits");
+  check_logits_rows(logits);
+  check_row_param(token_ids, "token_ids", at::kLong, logits);
+  TORCH_CHECK(num_top >= 0 && num_top <= 20 && num_top <= logits.size(1), "num_top must be in [0, min(20, vocab)], got ",
+              num_top, " for a vocabulary of ", logits.size(1));
+  return dtype;
 }
 
 }  // namespace kvflow

@@ -289,20 +289,13 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
                      const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
                      const at::Tensor& presence_penalty) {
   check_device_type(logits, "logits", c10::DeviceType::CPU);
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
-              logits.scalar_type());
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [batch, vocab] with unit vocab stride");
+  check_penalty_args(logits, prompt_token_ids, prompt_offsets, output_token_ids, output_offsets, repetition_penalty,
+                     frequency_penalty, presence_penalty);
   const int64_t batch = logits.size(0), vocab = logits.size(1);
-  for (const auto& [t, name] : {std::pair{&prompt_token_ids, "prompt_token_ids"},
-                                std::pair{&output_token_ids, "output_token_ids"}}) {
-    check_index_tensor(*t, name, at::kLong, logits);
-    TORCH_CHECK(t->dim() == 1, name, " must be 1-D (all rows' tokens, packed), got shape ", t->sizes());
-  }
-  for (const auto& [t, ids, name] : {std::tuple{&prompt_offsets, &prompt_token_ids, "prompt_offsets"},
-                                     std::tuple{&output_offsets, &output_token_ids, "output_offsets"}}) {
-    check_index_tensor(*t, name, at::kLong, logits);
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch + 1, name, " must be [", batch + 1, "], got shape ", t->sizes());
-    const int64_t* o = t->data_ptr<int64_t>();
+  // Values, which only this host path can read: offsets, token ids, penalties.
+  for (const auto& [offsets, ids, name] : {std::tuple{&prompt_offsets, &prompt_token_ids, "prompt_offsets"},
+                                           std::tuple{&output_offsets, &output_token_ids, "output_offsets"}}) {
+    const int64_t* o = offsets->data_ptr<int64_t>();
     TORCH_CHECK(o[0] == 0 && o[batch] == ids->size(0), name, " must run from 0 to ", ids->size(0));
     for (int64_t b = 0; b < batch; ++b) TORCH_CHECK(o[b] <= o[b + 1], name, " must be non-decreasing");
   }
@@ -314,9 +307,6 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
                   ")");
     }
   }
-  check_row_param(repetition_penalty, "repetition_penalty", at::kFloat, logits);
-  check_row_param(frequency_penalty, "frequency_penalty", at::kFloat, logits);
-  check_row_param(presence_penalty, "presence_penalty", at::kFloat, logits);
   for (int64_t b = 0; b < batch; ++b) {
     const float rp = repetition_penalty.data_ptr<float>()[b];
     TORCH_CHECK(rp > 0.f && std::isfinite(rp), "repetition_penalty[", b, "] = ", rp, " must be > 0 (1 = off)");
@@ -326,8 +316,8 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
   const int64_t* po = prompt_offsets.data_ptr<int64_t>();
   const int64_t* oo = output_offsets.data_ptr<int64_t>();
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> count(vocab, 0);  // per row: output occurrences; -1 marks "penalised"
-    std::vector<uint8_t> seen(vocab, 0);
+    std::vector<int32_t> count(vocab, 0);  // per row: occurrences in the output, zeroed after the row
+    std::vector<uint8_t> seen(vocab, 0);    // per row: already repetition-penalised
     for (int64_t b = begin; b < end; ++b) {
       float* row = logits.data_ptr<float>() + b * logits.stride(0);
       const float rp = repetition_penalty.data_ptr<float>()[b];
@@ -355,12 +345,8 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                 int64_t num_top) {
   check_device_type(logits, "logits", c10::DeviceType::CPU);
-  const DType dtype = kernel_dtype(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [batch, vocab] with unit vocab stride");
+  const DType dtype = check_logprobs_args(logits, token_ids, num_top);
   const int64_t batch = logits.size(0), vocab = logits.size(1);
-  check_row_param(token_ids, "token_ids", at::kLong, logits);
-  TORCH_CHECK(num_top >= 0 && num_top <= 20 && num_top <= vocab, "num_top must be in [0, min(20, vocab)], got ",
-              num_top);
   const int64_t* ids = token_ids.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(ids[b] >= 0 && ids[b] < vocab, "token_ids[", b, "] = ", ids[b], " is not a token id in [0, ", vocab,

@@ -53,26 +53,9 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
                      const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
                      const at::Tensor& presence_penalty) {
   check_device_type(logits, "logits", c10::DeviceType::CUDA);
-  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_penalties needs float32 logits, got ",
-              logits.scalar_type());
-  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
-  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
+  check_penalty_args(logits, prompt_token_ids, prompt_offsets, output_token_ids, output_offsets, repetition_penalty,
+                     frequency_penalty, presence_penalty);
   const int64_t batch = logits.size(0), vocab = logits.size(1);
-  check_index_tensor(prompt_token_ids, "prompt_token_ids", at::kLong, logits);
-  check_index_tensor(output_token_ids, "output_token_ids", at::kLong, logits);
-  TORCH_CHECK(prompt_token_ids.dim() == 1, "prompt_token_ids must be 1-D (all rows' tokens, packed), got shape ",
-              prompt_token_ids.sizes());
-  TORCH_CHECK(output_token_ids.dim() == 1, "output_token_ids must be 1-D (all rows' tokens, packed), got shape ",
-              output_token_ids.sizes());
-  check_index_tensor(prompt_offsets, "prompt_offsets", at::kLong, logits);
-  check_index_tensor(output_offsets, "output_offsets", at::kLong, logits);
-  TORCH_CHECK(prompt_offsets.dim() == 1 && prompt_offsets.size(0) == batch + 1, "prompt_offsets must be [",
-              batch + 1, "] (batch + 1), got shape ", prompt_offsets.sizes());
-  TORCH_CHECK(output_offsets.dim() == 1 && output_offsets.size(0) == batch + 1, "output_offsets must be [",
-              batch + 1, "] (batch + 1), got shape ", output_offsets.sizes());
-  check_row_param(repetition_penalty, "repetition_penalty", at::kFloat, logits);
-  check_row_param(frequency_penalty, "frequency_penalty", at::kFloat, logits);
-  check_row_param(presence_penalty, "presence_penalty", at::kFloat, logits);
   if (batch == 0 || vocab == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -89,14 +72,8 @@ void apply_penalties(at::Tensor& logits, const at::Tensor& prompt_token_ids, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compute_logprobs(const at::Tensor& logits, const at::Tensor& token_ids,
                                                                 int64_t num_top) {
   check_device_type(logits, "logits", c10::DeviceType::CUDA);
-  const DType dtype = kernel_dtype(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
-  TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
-  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+  const DType dtype = check_logprobs_args(logits, token_ids, num_top);
   const int64_t batch = logits.size(0), vocab = logits.size(1);
-  check_row_param(token_ids, "token_ids", at::kLong, logits);
-  TORCH_CHECK(num_top >= 0 && num_top <= cuda_kernels::kMaxTopLogprobs && num_top <= vocab,
-              "num_top must be in [0, min(20, vocab)], got ", num_top, " for a vocabulary of ", vocab);
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto options = logits.options().dtype(at::kFloat);
