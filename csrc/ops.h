@@ -10,6 +10,12 @@
 
 namespace kvflow::cpu {
 #include "op_list.inc"
+
+// CPU only: on CUDA, torch's matmul serves every batch size well.
+void small_linear(at::Tensor& out,                     // [rows, out_features]
+                  const at::Tensor& input,             // [rows, in_features]
+                  const at::Tensor& weight,            // [out_features, in_features]
+                  const std::optional<at::Tensor>& bias);  // [out_features]
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -53,6 +53,8 @@ TORCH_LIBRARY(kvflow, m) {
       "Tensor output_offsets, Tensor repetition_penalty, Tensor frequency_penalty, Tensor presence_penalty) -> ()");
   // log_softmax(logits) at token_ids, and the num_top most likely tokens with their log-probabilities.
   m.def("compute_logprobs(Tensor logits, Tensor token_ids, int num_top) -> (Tensor, Tensor, Tensor)");
+  // out = input @ weight^T (+ bias) for a few rows (decode), reading the weights once. CPU only.
+  m.def("small_linear(Tensor! out, Tensor input, Tensor weight, Tensor? bias=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -68,6 +70,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("apply_sampling_filters", &kvflow::cpu::apply_sampling_filters);
   m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
+  m.impl("small_linear", &kvflow::cpu::small_linear);
 }
 
 #ifdef KVFLOW_WITH_CUDA

@@ -20,6 +20,12 @@ TOLERANCES = {
 }
 
 
+def _switch_isa(isa: str):
+    previous = kvflow.ops.cpu_isa()
+    kvflow.ops.set_cpu_isa(isa)
+    return previous
+
+
 @pytest.fixture(params=TARGETS)
 def device(request):
     """The device to run on; for the CPU, the instruction set is switched for the test."""
@@ -27,10 +33,19 @@ def device(request):
     if not target.startswith("cpu:"):
         yield target
         return
-    previous = kvflow.ops.cpu_isa()
-    kvflow.ops.set_cpu_isa(target.split(":")[1])
+    previous = _switch_isa(target.split(":")[1])
     try:
         yield "cpu"
+    finally:
+        kvflow.ops.set_cpu_isa(previous)
+
+
+@pytest.fixture(params=CPU_ISAS)
+def cpu_isa(request):
+    """For CPU-only ops: runs the test once per instruction set this CPU supports."""
+    previous = _switch_isa(request.param)
+    try:
+        yield request.param
     finally:
         kvflow.ops.set_cpu_isa(previous)
 

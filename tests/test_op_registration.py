@@ -49,6 +49,8 @@ def op_cases():
              torch.tensor([0, 0, 2]), torch.tensor([1.2, 1.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.1, 0.1])),
         ),
         "compute_logprobs": (torch.ops.kvflow.compute_logprobs, (torch.randn(3, 100), torch.tensor([1, 50, 99]), 5)),
+        "small_linear": (torch.ops.kvflow.small_linear,
+                         (torch.empty(3, 40), torch.randn(3, 33), torch.randn(40, 33), torch.randn(40))),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -24,6 +24,7 @@
 
 #include "kvflow/cpu/attention_avx512_bf16.h"
 #include "kvflow/cpu/kernels.h"
+#include "kvflow/cpu/linear_avx512_bf16.h"
 #include "kvflow/cpu/vec_avx512_bf16.h"
 
 namespace kvflow::cpu {
@@ -34,6 +35,7 @@ KernelTable make_avx512_bf16_table() {
   table.paged_attention[int(DType::kBFloat16)][0] = paged_attention_avx512_bf16<64>;
   table.paged_attention[int(DType::kBFloat16)][1] = paged_attention_avx512_bf16<128>;
   table.paged_attention[int(DType::kBFloat16)][2] = paged_attention_avx512_bf16<256>;
+  table.small_linear[int(DType::kBFloat16)] = small_linear_avx512_bf16;
   return table;
 }
 

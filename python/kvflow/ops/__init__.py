@@ -4,6 +4,7 @@ from kvflow import _C
 from kvflow.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
+from kvflow.ops.linear import linear, small_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
 from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample
@@ -34,11 +35,13 @@ __all__ = [
     "cpu_isa",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "linear",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "set_cpu_isa",
     "silu_and_mul",
+    "small_linear",
     "supported_cpu_isas",
 ]

@@ -262,11 +262,42 @@ int64_t collect_greater(const void* input, int64_t begin, int64_t end, float thr
   return count;
 }
 
+// Rows are taken eight at a time, so each weight vector loaded serves up to eight dot products.
 template <class V, typename T>
-void fill_sampling_entries(KernelTable& t, DType dtype) {
+void small_linear(void* out, const float* x, const void* weight, const void* bias, int64_t rows, int64_t in_features,
+                  int64_t out_features, int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  constexpr int kRows = 8;
+  const T* w = static_cast<const T*>(weight);
+  const T* b = static_cast<const T*>(bias);
+  T* y = static_cast<T*>(out);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int nr = int(std::min<int64_t>(kRows, rows - r0));
+    for (int64_t o = begin; o < end; ++o) {
+      const T* w_row = w + o * in_features;
+      typename V::Reg acc[kRows];
+      for (int r = 0; r < kRows; ++r) acc[r] = V::zero();
+      int64_t k = 0;
+      for (; k + W <= in_features; k += W) {
+        const auto wv = V::load(w_row + k);
+        for (int r = 0; r < nr; ++r) acc[r] = V::fmadd(V::load(x + (r0 + r) * in_features + k), wv, acc[r]);
+      }
+      for (int r = 0; r < nr; ++r) {
+        float sum = V::reduce_add(acc[r]);
+        for (int64_t kk = k; kk < in_features; ++kk) sum += x[(r0 + r) * in_features + kk] * to_float(w_row[kk]);
+        if (b != nullptr) sum += to_float(b[o]);
+        y[(r0 + r) * out_features + o] = from_float<T>(sum);
+      }
+    }
+  }
+}
+
+template <class V, typename T>
+void fill_row_entries(KernelTable& t, DType dtype) {
   t.row_max[int(dtype)] = row_max<V, T>;
   t.exp_sum[int(dtype)] = exp_sum<V, T>;
   t.collect_greater[int(dtype)] = collect_greater<V, T>;
+  t.small_linear[int(dtype)] = small_linear<V, T>;
 }
 
 template <class V, typename T>
@@ -301,9 +332,9 @@ KernelTable make_kernel_table(const char* isa) {
   fill_attention_row<V, float>(t.paged_attention[int(DType::kFloat32)]);
   fill_attention_row<V, float16>(t.paged_attention[int(DType::kFloat16)]);
   fill_attention_row<V, bfloat16>(t.paged_attention[int(DType::kBFloat16)]);
-  fill_sampling_entries<V, float>(t, DType::kFloat32);
-  fill_sampling_entries<V, float16>(t, DType::kFloat16);
-  fill_sampling_entries<V, bfloat16>(t, DType::kBFloat16);
+  fill_row_entries<V, float>(t, DType::kFloat32);
+  fill_row_entries<V, float16>(t, DType::kFloat16);
+  fill_row_entries<V, bfloat16>(t, DType::kBFloat16);
   return t;
 }
 

@@ -1,0 +1,41 @@
+// small_linear on the CPU: out = input @ weight^T (+ bias) for a handful of rows, where the
+// cost is reading the weights once. Output features are split into one contiguous range per
+// thread, so each thread streams its part of the weight matrix front to back.
+#include <ATen/Parallel.h>
+
+#include "kvflow/cpu/kernel_table.h"
+#include "op_checks.h"
+#include "ops.h"
+
+namespace kvflow::cpu {
+
+void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  check_device_type(input, "input", c10::DeviceType::CPU);
+  const DType dtype = kernel_dtype(weight, "weight");
+  check_like(input, "input", weight, "weight");
+  check_like(out, "out", weight, "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [out_features, in_features] "
+              "tensor, got shape ", weight.sizes());
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == weight.size(1), "input must be [rows, ", weight.size(1),
+              "] (in_features of weight), got shape ", input.sizes());
+  const int64_t rows = input.size(0), in_features = weight.size(1), out_features = weight.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
+              "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
+  if (bias.has_value()) {
+    check_like(*bias, "bias", weight, "weight");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous(), "bias must be [",
+                out_features, "], got shape ", bias->sizes());
+  }
+  const at::Tensor x = input.to(at::kFloat).contiguous();  // a few rows: widened once, read from L1
+  const SmallLinearFn kernel = active_kernels().small_linear[int(dtype)];
+  void* out_ptr = out.data_ptr();
+  const float* x_ptr = x.data_ptr<float>();
+  const void* w_ptr = weight.data_ptr();
+  const void* b_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
+  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+    kernel(out_ptr, x_ptr, w_ptr, b_ptr, rows, in_features, out_features, begin, end);
+  });
+}
+
+}  // namespace kvflow::cpu

@@ -1,0 +1,48 @@
+"""small_linear (and the linear router) against float32 PyTorch. small_linear is a CPU op (on
+CUDA torch's matmul serves every batch size), run here on every instruction set."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DTYPES, TOLERANCES
+from kvflow import ops
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("in_features,out_features", [(111, 97), (576, 1536), (769, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_linear(rows, in_features, out_features, dtype, with_bias, cpu_isa):
+    torch.manual_seed(rows * in_features + out_features)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    w = torch.randn(out_features, in_features, dtype=dtype) / in_features**0.5
+    b = torch.randn(out_features, dtype=dtype) if with_bias else None
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # Dot products of hundreds of terms, accumulated in another order than torch's: allow a few
+    # float32 ulps of the sum on top of the output rounding.
+    tol = dict(TOLERANCES[dtype])
+    tol["atol"] = max(tol["atol"], 1e-4)
+    torch.testing.assert_close(ops.small_linear(x, w, b).float(), expected, **tol)
+
+
+def test_linear_routes_few_rows_and_matches_torch():
+    torch.manual_seed(0)
+    w = torch.randn(300, 64, dtype=torch.bfloat16)
+    for shape in [(1, 64), (2, 4, 64), (9, 64)]:  # 1 and 8 rows take small_linear, 9 torch's matmul
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        out = ops.linear(x, w)
+        assert out.shape == (*shape[:-1], 300)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), **TOLERANCES[torch.bfloat16])
+
+
+def test_small_linear_rejects_bad_input():
+    w = torch.randn(10, 16)
+    with pytest.raises(RuntimeError, match=r"input must be \[rows, 16\]"):
+        ops.small_linear(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="input has dtype"):
+        ops.small_linear(torch.randn(2, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(RuntimeError, match=r"bias must be \[10\]"):
+        ops.small_linear(torch.randn(2, 16), w, torch.randn(9))
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        ops.small_linear(torch.randn(2, 10), w.t())
