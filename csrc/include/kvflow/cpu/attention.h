@@ -96,6 +96,24 @@ struct NextChunkPrefetch {
   }
 };
 
+// The end of one row: out = acc / l when the item saw all of the row's keys, else the partial
+// (m, l, acc) of its split for merge_attention_splits.
+template <class V, typename T, int HD>
+inline void finish_row(const PagedAttentionArgs& a, const AttentionWorkItem& it, int64_t token, int64_t head,
+                       const float* acc_row, float m, float l) {
+  constexpr int W = V::kWidth;
+  if (it.split < 0) {
+    T* out = static_cast<T*>(a.out) + (token * a.num_q_heads + head) * HD;
+    const auto inv = V::set1(l > 0.f ? 1.f / l : 0.f);
+    for (int v = 0; v < HD / W; ++v) V::store(out + v * W, V::mul(V::load(acc_row + v * W), inv));
+  } else {
+    float* partial = a.partials + ((int64_t(it.split) * a.num_tokens + token) * a.num_q_heads + head) * (HD + 2);
+    partial[0] = m;
+    partial[1] = l;
+    std::copy(acc_row, acc_row + HD, partial + 2);
+  }
+}
+
 template <class V, typename T, int HD>
 void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin, int64_t end) {
   constexpr int W = V::kWidth;
@@ -189,17 +207,7 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = first_token + it.q_begin + (r % rows_per_kv_head) / group;
       const int64_t head = it.kv_head * group + r / rows_per_kv_head * group + r % group;
-      const float* acc_row = &acc_rows[r * HD];
-      if (it.split < 0) {
-        T* out = static_cast<T*>(a.out) + (token * a.num_q_heads + head) * HD;
-        const auto inv = V::set1(l_rows[r] > 0.f ? 1.f / l_rows[r] : 0.f);
-        for (int v = 0; v < NV; ++v) V::store(out + v * W, V::mul(V::load(acc_row + v * W), inv));
-      } else {
-        float* partial = a.partials + ((int64_t(it.split) * a.num_tokens + token) * a.num_q_heads + head) * (HD + 2);
-        partial[0] = m_rows[r];
-        partial[1] = l_rows[r];
-        std::copy(acc_row, acc_row + HD, partial + 2);
-      }
+      finish_row<V, T, HD>(a, it, token, head, &acc_rows[r * HD], m_rows[r], l_rows[r]);
     }
   }
 }

@@ -188,16 +188,7 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
         _mm512_storeu_ps(acc_row + 32 * b, _mm512_permutex2var_ps(lo, unscramble_lo, hi));
         _mm512_storeu_ps(acc_row + 32 * b + 16, _mm512_permutex2var_ps(lo, unscramble_hi, hi));
       }
-      if (it.split < 0) {
-        bfloat16* out = static_cast<bfloat16*>(a.out) + (token * a.num_q_heads + head) * HD;
-        const __m512 inv = _mm512_set1_ps(l_rows[r] > 0.f ? 1.f / l_rows[r] : 0.f);
-        for (int v = 0; v < HD / 16; ++v) VecAvx512Bf16::store(out + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * v), inv));
-      } else {
-        float* partial = a.partials + ((int64_t(it.split) * a.num_tokens + token) * a.num_q_heads + head) * (HD + 2);
-        partial[0] = m_rows[r];
-        partial[1] = l_rows[r];
-        std::copy(acc_row, acc_row + HD, partial + 2);
-      }
+      finish_row<VecAvx512Bf16, bfloat16, HD>(a, it, token, head, acc_row, m_rows[r], l_rows[r]);
     }
   }
 }
