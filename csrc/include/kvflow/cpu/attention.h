@@ -96,6 +96,15 @@ struct NextChunkPrefetch {
   }
 };
 
+// The most rows (query tokens x query heads) any of items [begin, end) holds: the scratch size.
+inline int64_t max_item_rows(const AttentionWorkItem* items, int64_t begin, int64_t end, int64_t group) {
+  int64_t max_rows = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    max_rows = std::max<int64_t>(max_rows, int64_t(items[i].q_count) * items[i].kv_count * group);
+  }
+  return max_rows;
+}
+
 // The end of one row: out = acc / l when the item saw all of the row's keys, else the partial
 // (m, l, acc) of its split for merge_attention_splits.
 template <class V, typename T, int HD>
@@ -123,10 +132,7 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
   const int64_t kv_row_stride = a.num_kv_heads * HD;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  int64_t max_rows = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    max_rows = std::max<int64_t>(max_rows, int64_t(items[i].q_count) * items[i].kv_count * group);
-  }
+  const int64_t max_rows = max_item_rows(items, begin, end, group);
   std::vector<float> q_rows(max_rows * HD), acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
   std::vector<float> k_chunk(kKeyChunk * HD), v_chunk(kKeyChunk * HD);
   float sc[kKeyChunk], p[kKeyChunk];

@@ -75,10 +75,7 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
   const int64_t kv_row_stride = a.num_kv_heads * HD;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  int64_t max_rows = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    max_rows = std::max<int64_t>(max_rows, int64_t(items[i].q_count) * items[i].kv_count * group);
-  }
+  const int64_t max_rows = max_item_rows(items, begin, end, group);
   std::vector<float> acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
   __m512i k_t[kPairs];                // [HD / 2] registers of 16 keys' pairs
   __m512i v_pairs[8 * kBlocks * 2];  // [8 key pairs][kBlocks][lo, hi]
