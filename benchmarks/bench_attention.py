@@ -20,19 +20,18 @@ import torch.nn.functional as F
 
 import kvflow
 from kvflow import AttentionMetadata, ops
-from timing import timed
+from timing import read_bandwidth, timed
 
 
 def memory_bandwidth(device: str) -> tuple[float, str]:
     """The best GB/s the machine streams over 10 tries (the limit, so the fraction reported
     against it is conservative): reading (sum) on the CPU, read + write (copy) on CUDA."""
-    x = torch.ones(128 << 20, dtype=torch.float32, device=device)  # 512 MB
     if device == "cuda":
+        x = torch.ones(128 << 20, dtype=torch.float32, device=device)  # 512 MB
         y = torch.empty_like(x)
         best = min(timed(lambda: y.copy_(x), device, 1 if i else 3, 1) for i in range(10))
         return 2 * x.numel() * 4 / best / 1e9, "copy"
-    best = min(timed(lambda: x.sum(), device, 1 if i else 2, 1) for i in range(10))
-    return x.numel() * 4 / best / 1e9, "read"
+    return read_bandwidth(device), "read"
 
 
 def paged_batch(batch, context, q_len, args, dtype, device):

@@ -1,21 +1,11 @@
 #!/usr/bin/env bash
-# Installs kvflow from this checkout into ./.venv (CPU build, torch 2.13.0 CPU wheel) and runs
+# Installs kvflow from this checkout into ./.venv (scripts/install.sh, with the test extras) and runs
 # every check: the C++ unit tests (ctest), the CUDA compile check for sm_90a when a CUDA toolkit
 # is present (required under CI=true), then the pytest suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$python" -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
-
-echo "== installing dependencies"
-pip install -q --disable-pip-version-check torch==2.13.0
-pip install -q --disable-pip-version-check setuptools wheel ninja pybind11 cmake pytest hypothesis numpy
-
-echo "== building kvflow (CPU)"
-KVFLOW_CUDA=0 MAX_JOBS=${MAX_JOBS:-2} pip install -q --disable-pip-version-check --no-build-isolation -e .
+EXTRAS=test . scripts/install.sh
 
 echo "== C++ unit tests"
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null

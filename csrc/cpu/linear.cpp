@@ -27,10 +27,10 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous(), "bias must be [",
                 out_features, "], got shape ", bias->sizes());
   }
-  const at::Tensor x = input.to(at::kFloat).contiguous();  // a few rows: widened once, read from L1
+  const at::Tensor x = input.contiguous();
   const SmallLinearFn kernel = active_kernels().small_linear[int(dtype)];
   void* out_ptr = out.data_ptr();
-  const float* x_ptr = x.data_ptr<float>();
+  const void* x_ptr = x.data_ptr();
   const void* w_ptr = weight.data_ptr();
   const void* b_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {

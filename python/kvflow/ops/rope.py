@@ -28,17 +28,23 @@ def compute_cos_sin_cache(
     rope_scaling: dict | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    freq_factors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The [max_position, rotary_dim] table rotary_embedding reads: cos(p * f_i) then sin(p * f_i),
     with f_i = base^(-2i / rotary_dim) for i < rotary_dim / 2. Computed in float64.
 
     rope_scaling: None, {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}.
+    freq_factors [rotary_dim / 2]: divisors of each frequency, as GGUF files store Llama 3 scaling.
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
     inv_freq = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     positions = torch.arange(max_position, dtype=torch.float64)
+    if freq_factors is not None:
+        if freq_factors.shape != inv_freq.shape:
+            raise ValueError(f"freq_factors must have shape {tuple(inv_freq.shape)}, got {tuple(freq_factors.shape)}")
+        inv_freq = inv_freq / freq_factors.to(inv_freq)
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if rope_type == "llama3":

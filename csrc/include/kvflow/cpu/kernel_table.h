@@ -110,10 +110,10 @@ using ExpSumFn = double (*)(const void* x, int64_t n, float max, float inv_tempe
 using CollectGreaterFn = int64_t (*)(const void* x, int64_t begin, int64_t end, float threshold, int32_t* out);
 
 // out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for output features o in [begin, end):
-// the few-row matmul of decode, bound by reading the weights once. x is float32 (the caller
-// widens the handful of input rows once); weight, bias and out are of the table entry's dtype.
+// the few-row matmul of decode, bound by reading the weights once. x, weight, bias and out are
+// all of the table entry's dtype; float32 accumulation.
 using SmallLinearFn = void (*)(void* out,           // [rows, out_features]
-                               const float* x,      // [rows, in_features]
+                               const void* x,       // [rows, in_features]
                                const void* weight,  // [out_features, in_features]
                                const void* bias,    // [out_features] or null
                                int64_t rows, int64_t in_features, int64_t out_features, int64_t begin,

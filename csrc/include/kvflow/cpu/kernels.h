@@ -262,34 +262,93 @@ int64_t collect_greater(const void* input, int64_t begin, int64_t end, float thr
   return count;
 }
 
-// Rows are taken eight at a time, so each weight vector loaded serves up to eight dot products.
-template <class V, typename T>
-void small_linear(void* out, const float* x, const void* weight, const void* bias, int64_t rows, int64_t in_features,
-                  int64_t out_features, int64_t begin, int64_t end) {
+// One tile of small_linear: kOut consecutive output features times kRows input rows. Each
+// weight vector loaded serves kRows dot products and each input vector kOut, which keeps up to
+// eight rows bound by reading the weights rather than by loads.
+template <class V, typename T, int kOut, int kRows>
+inline void small_linear_tile(T* y, const T* x, const T* w, const T* b, int64_t in_features, int64_t out_features) {
   constexpr int W = V::kWidth;
-  constexpr int kRows = 8;
+  typename V::Reg acc[kRows][kOut];
+  for (int r = 0; r < kRows; ++r) {
+    for (int o = 0; o < kOut; ++o) acc[r][o] = V::zero();
+  }
+  int64_t k = 0;
+  for (; k + W <= in_features; k += W) {
+    typename V::Reg wv[kOut];
+    for (int o = 0; o < kOut; ++o) wv[o] = V::load(w + o * in_features + k);
+    for (int r = 0; r < kRows; ++r) {
+      const auto xv = V::load(x + r * in_features + k);
+      for (int o = 0; o < kOut; ++o) acc[r][o] = V::fmadd(xv, wv[o], acc[r][o]);
+    }
+  }
+  // Fully unrolled, so that every accumulator is a named register rather than stack memory.
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int o = 0; o < kOut; ++o) {
+      float sum = V::reduce_add(acc[r][o]);
+      for (int64_t kk = k; kk < in_features; ++kk) sum += to_float(x[r * in_features + kk]) * to_float(w[o * in_features + kk]);
+      if (b != nullptr) sum += to_float(b[o]);
+      y[r * out_features + o] = from_float<T>(sum);
+    }
+  }
+}
+
+// Calls tile.run<kOut, rows>() for a runtime row count of 1 to 4.
+template <int kOut, class Tile>
+inline void dispatch_rows(int rows, const Tile& tile) {
+  switch (rows) {
+    case 1: tile.template run<kOut, 1>(); break;
+    case 2: tile.template run<kOut, 2>(); break;
+    case 3: tile.template run<kOut, 3>(); break;
+    default: tile.template run<kOut, 4>(); break;
+  }
+}
+
+// Output features in blocks of four, and for each block every row, four at a time: the block's
+// weights come from memory once and from L1/L2 for the further rows. tile_at(o, r0) returns a
+// Tile whose run<kOut, kRows>() computes outputs [o, o + kOut) of rows [r0, r0 + kRows).
+template <class TileAt>
+inline void small_linear_blocks(int64_t rows, int64_t begin, int64_t end, const TileAt& tile_at) {
+  constexpr int kOutBlock = 4, kRowBlock = 4;
+  int64_t o = begin;
+  for (; o + kOutBlock <= end; o += kOutBlock) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      dispatch_rows<kOutBlock>(int(std::min<int64_t>(kRowBlock, rows - r0)), tile_at(o, r0));
+    }
+  }
+  for (; o < end; ++o) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      dispatch_rows<1>(int(std::min<int64_t>(kRowBlock, rows - r0)), tile_at(o, r0));
+    }
+  }
+}
+
+template <class V, typename T>
+struct SmallLinearTile {
+  T* y;
+  const T* x;
+  const T* w;
+  const T* b;
+  int64_t in_features, out_features;
+
+  template <int kOut, int kRows>
+  void run() const {
+    small_linear_tile<V, T, kOut, kRows>(y, x, w, b, in_features, out_features);
+  }
+};
+
+template <class V, typename T>
+void small_linear(void* out, const void* input, const void* weight, const void* bias, int64_t rows,
+                  int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
+  const T* x = static_cast<const T*>(input);
   const T* w = static_cast<const T*>(weight);
   const T* b = static_cast<const T*>(bias);
   T* y = static_cast<T*>(out);
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int nr = int(std::min<int64_t>(kRows, rows - r0));
-    for (int64_t o = begin; o < end; ++o) {
-      const T* w_row = w + o * in_features;
-      typename V::Reg acc[kRows];
-      for (int r = 0; r < kRows; ++r) acc[r] = V::zero();
-      int64_t k = 0;
-      for (; k + W <= in_features; k += W) {
-        const auto wv = V::load(w_row + k);
-        for (int r = 0; r < nr; ++r) acc[r] = V::fmadd(V::load(x + (r0 + r) * in_features + k), wv, acc[r]);
-      }
-      for (int r = 0; r < nr; ++r) {
-        float sum = V::reduce_add(acc[r]);
-        for (int64_t kk = k; kk < in_features; ++kk) sum += x[(r0 + r) * in_features + kk] * to_float(w_row[kk]);
-        if (b != nullptr) sum += to_float(b[o]);
-        y[(r0 + r) * out_features + o] = from_float<T>(sum);
-      }
-    }
-  }
+  small_linear_blocks(rows, begin, end, [&](int64_t o, int64_t r0) {
+    return SmallLinearTile<V, T>{y + r0 * out_features + o, x + r0 * in_features, w + o * in_features,
+                                 b == nullptr ? nullptr : b + o, in_features, out_features};
+  });
 }
 
 template <class V, typename T>

@@ -1,14 +1,13 @@
 // small_linear for bfloat16 weights on CPUs with AVX-512 BF16: vdpbf16ps multiplies 32 weight
 // values by 32 input values per instruction (pairs summed into 16 float32 lanes), half the
 // instructions of widening the weights and using FMAs, which is what keeps 4-8 rows bound by
-// reading the weights rather than by arithmetic. Include only in isa_avx512_bf16.cpp.
+// reading the weights rather than by arithmetic. Include only in isa_avx512_bf16.cpp, after
+// kernels.h (for small_linear_blocks).
 #pragma once
 
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "kvflow/cpu/vec_avx512_bf16.h"
 #include "kvflow/numeric.h"
@@ -16,41 +15,61 @@
 namespace kvflow::cpu {
 namespace {
 
-inline void small_linear_avx512_bf16(void* out, const float* x, const void* weight, const void* bias, int64_t rows,
-                                     int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
-  constexpr int kRows = 8;
-  const bfloat16* w = static_cast<const bfloat16*>(weight);
-  const bfloat16* b = static_cast<const bfloat16*>(bias);
-  bfloat16* y = static_cast<bfloat16*>(out);
-  // The input rows back in bfloat16 (they came from bfloat16, so this is exact), padded with
-  // zeros to a multiple of 32 so that the tail needs no special case on the x side.
-  const int64_t padded = (in_features + 31) / 32 * 32;
-  std::vector<bfloat16> xb(rows * padded, bfloat16{0});
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t k = 0; k < in_features; ++k) xb[r * padded + k] = from_float<bfloat16>(x[r * in_features + k]);
-  }
-  const int64_t full = in_features / 32 * 32;
-  const __mmask32 tail_mask = __mmask32((uint64_t(1) << (in_features - full)) - 1);
-  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const int nr = int(std::min<int64_t>(kRows, rows - r0));
-    for (int64_t o = begin; o < end; ++o) {
-      const bfloat16* w_row = w + o * in_features;
-      __m512 acc[kRows];
-      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < padded; k += 32) {
-        const __m512i wv = k < full ? _mm512_loadu_si512(w_row + k) : _mm512_maskz_loadu_epi16(tail_mask, w_row + k);
-        for (int r = 0; r < nr; ++r) {
-          const __m512i xv = _mm512_loadu_si512(&xb[(r0 + r) * padded + k]);
-          acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(wv), reinterpret_cast<__m512bh>(xv));
-        }
+struct SmallLinearTileAvx512Bf16 {
+  static constexpr int kPrefetchBlocks = 4;
+  bfloat16* y;        // [rows, out_features] at (r0, o)
+  const bfloat16* x;  // [rows, in_features] at row r0
+  const bfloat16* w;  // [out_features, in_features] at row o
+  const bfloat16* b;  // [out_features] at o, or null
+  int64_t in_features, out_features;
+
+  template <int kOut, int kRows>
+  void run() const {
+    __m512 acc[kRows][kOut];
+    for (int r = 0; r < kRows; ++r) {
+      for (int o = 0; o < kOut; ++o) acc[r][o] = _mm512_setzero_ps();
+    }
+    // One loop with the tail folded in as a masked step: the accumulators stay in registers.
+    const int64_t full = in_features / 32 * 32;
+    const __mmask32 tail_mask = __mmask32((uint64_t(1) << (in_features - full)) - 1);
+    // This block's kOut weight rows are contiguous, and so is the next block; each step
+    // prefetches as many bytes as it consumes, kPrefetchBlocks blocks ahead, so the memory
+    // system always has the next block in flight (its rows are too short for the hardware
+    // prefetcher to pick up four streams at once).
+    const char* prefetch = reinterpret_cast<const char*>(w) + kPrefetchBlocks * kOut * in_features * 2;
+    for (int64_t k = 0; k < in_features; k += 32, prefetch += kOut * 64) {
+      for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T0);
+      const __mmask32 mask = k < full ? ~__mmask32(0) : tail_mask;
+      __m512bh wv[kOut];
+      for (int o = 0; o < kOut; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * in_features + k);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in_features + k);
+        for (int o = 0; o < kOut; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], wv[o], xv);
       }
-      for (int r = 0; r < nr; ++r) {
-        float sum = VecAvx512::reduce_add(acc[r]);
+    }
+    // Fully unrolled, so that every accumulator is a named register rather than stack memory.
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+      for (int o = 0; o < kOut; ++o) {
+        float sum = VecAvx512::reduce_add(acc[r][o]);
         if (b != nullptr) sum += to_float(b[o]);
-        y[(r0 + r) * out_features + o] = from_float<bfloat16>(sum);
+        y[r * out_features + o] = from_float<bfloat16>(sum);
       }
     }
   }
+};
+
+inline void small_linear_avx512_bf16(void* out, const void* input, const void* weight, const void* bias, int64_t rows,
+                                     int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
+  const bfloat16* x = static_cast<const bfloat16*>(input);
+  const bfloat16* w = static_cast<const bfloat16*>(weight);
+  const bfloat16* b = static_cast<const bfloat16*>(bias);
+  bfloat16* y = static_cast<bfloat16*>(out);
+  small_linear_blocks(rows, begin, end, [&](int64_t o, int64_t r0) {
+    return SmallLinearTileAvx512Bf16{y + r0 * out_features + o, x + r0 * in_features, w + o * in_features,
+                                     b == nullptr ? nullptr : b + o, in_features, out_features};
+  });
 }
 
 }  // namespace

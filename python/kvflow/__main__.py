@@ -1,0 +1,7 @@
+"""python -m kvflow {generate, chat} ..."""
+
+import sys
+
+from kvflow.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,129 @@
+"""Turns one scheduled step (which requests, which new tokens) into tensors once, runs the model
+over all of them as one flattened batch, and samples the requests that are due a token."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.kv_cache import allocate_kv_caches
+from kvflow.engine.sampling_params import SamplingParams
+from kvflow.models.config import ModelConfig
+from kvflow.ops.sampling import apply_penalties, compute_logprobs, sample
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+    token_ids: list[int]               # the new tokens: a prompt chunk, or the last sampled token
+    num_computed_tokens: int           # tokens of this request already in the KV cache
+    block_table: list[int]             # covers num_computed_tokens + len(token_ids) tokens
+    sampling: SamplingParams | None    # None: no token is due this step (a prompt chunk that is not the last)
+    seed: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)  # read for penalties
+    output_token_ids: list[int] = field(default_factory=list)  # the tokens sampled so far
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int = 16,
+                 device: torch.device | str = "cpu"):
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, model.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, requests: list[ScheduledRequest]) -> list[SampledToken | None]:
+        """Runs one step; returns, per request, the sampled token or None where none was due."""
+        if not requests:
+            return []
+        for r in requests:
+            if not r.token_ids:
+                raise ValueError("a scheduled request must bring at least one new token")
+            if r.seq_len > self.config.max_position_embeddings:
+                raise ValueError(f"a request of {r.seq_len} tokens exceeds the model's context of "
+                                 f"{self.config.max_position_embeddings}")
+        metadata = AttentionMetadata.build(
+            [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
+            self.block_size, self.device, num_blocks=self.num_blocks)
+        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64).to(self.device)
+        hidden = self.model(input_ids, metadata, self.kv_caches)
+
+        due = [i for i, r in enumerate(requests) if r.sampling is not None]
+        results: list[SampledToken | None] = [None] * len(requests)
+        if not due:
+            return results
+        last_rows, end = [], 0
+        for r in requests:
+            end += len(r.token_ids)
+            last_rows.append(end - 1)
+        rows = [last_rows[i] for i in due]
+        if len(rows) == hidden.shape[0]:
+            sampled_hidden = hidden
+        else:
+            sampled_hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(sampled_hidden)
+        for i, sampled in zip(due, self._sample(logits, [requests[i] for i in due])):
+            results[i] = sampled
+        return results
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[SampledToken]:
+        params = [r.sampling for r in requests]
+        raw_logits = logits.clone() if any(p.logprobs is not None for p in params) else logits
+        if any(p.has_penalties for p in params):
+            self._apply_penalties(logits, requests)
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device)
+
+        token_ids = sample(
+            logits,
+            column([p.temperature for p in params], torch.float32),
+            column([p.top_k for p in params], torch.int32),
+            column([p.top_p for p in params], torch.float32),
+            column([p.min_p for p in params], torch.float32),
+            column([r.seed for r in requests], torch.int64),
+            column([len(r.output_token_ids) for r in requests], torch.int64),
+        )
+        tokens = token_ids.tolist()
+        results = [SampledToken(t) for t in tokens]
+        if raw_logits is not logits:
+            num_top = max(p.logprobs or 0 for p in params)
+            chosen, top_ids, top_values = compute_logprobs(raw_logits, token_ids, num_top)
+            chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    results[i].logprob = chosen[i]
+                    results[i].top_logprobs = list(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs]))
+        return results
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+        def packed(lists):
+            offsets = [0]
+            for values in lists:
+                offsets.append(offsets[-1] + len(values))
+            flat = [t for values in lists for t in values]
+            return (torch.tensor(flat, dtype=torch.int64).to(self.device),
+                    torch.tensor(offsets, dtype=torch.int64).to(self.device))
+
+        prompt, prompt_offsets = packed([r.prompt_token_ids for r in requests])
+        output, output_offsets = packed([r.output_token_ids for r in requests])
+
+        def column(name):
+            return torch.tensor([getattr(r.sampling, name) for r in requests], dtype=torch.float32).to(self.device)
+
+        apply_penalties(logits, prompt, prompt_offsets, output, output_offsets, column("repetition_penalty"),
+                        column("frequency_penalty"), column("presence_penalty"))

@@ -1,0 +1,62 @@
+"""Linear layers. Merged projections (q|k|v, gate|up) hold their parts in one weight so that one
+matmul reads them all; the loader writes each checkpoint tensor into its slice."""
+
+import torch
+from torch import nn
+
+from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features]. Few rows on the CPU (decode) go to
+        small_linear, which reads the weight once at memory speed; more go to torch's matmul."""
+        rows = x.shape[0]
+        if x.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS and x.dim() == 2:
+            out = x.new_empty((rows, self.out_features))
+            torch.ops.kvflow.small_linear(out, x, self.weight, self.bias)
+            return out
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        _copy_checked(self.weight, weight, "weight")
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError(f"checkpoint has a bias for a {self.in_features}->{self.out_features} linear without one")
+            _copy_checked(self.bias, bias, "bias")
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input, stacked along the output: part i owns rows
+    [offsets[i], offsets[i + 1]) of the weight."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(in_features, sum(part_sizes), bias, dtype)
+        self.part_sizes = list(part_sizes)
+        self.offsets = [0]
+        for size in part_sizes:
+            self.offsets.append(self.offsets[-1] + size)
+
+    def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        rows = slice(self.offsets[part], self.offsets[part + 1])
+        _copy_checked(self.weight[rows], weight, f"part {part} weight")
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError(f"checkpoint has a bias for part {part} of a merged linear without one")
+            _copy_checked(self.bias[rows], bias, f"part {part} bias")
+
+
+def _copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    if tuple(source.shape) != tuple(destination.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(source.shape)} does not match the model's "
+                         f"{tuple(destination.shape)}")
+    destination.copy_(source)

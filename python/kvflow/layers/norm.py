@@ -1,0 +1,21 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: rms_norm(x). With it, in place: residual += x, x = rms_norm(residual);
+        returns (x, residual)."""
+        if residual is None:
+            out = torch.empty_like(x)
+            torch.ops.kvflow.rms_norm(out, x, self.weight, self.eps, 0.0)
+            return out
+        torch.ops.kvflow.fused_add_rms_norm(x, residual, self.weight, self.eps, 0.0)
+        return x, residual

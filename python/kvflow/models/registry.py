@@ -1,0 +1,22 @@
+"""Architecture name (config.json's "architectures", or GGUF's general.architecture) -> model class."""
+
+from kvflow.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+# GGUF general.architecture -> the Hugging Face name of the same graph
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def model_class(architecture: str):
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(f"unsupported model architecture {architecture!r} (supported: {', '.join(MODEL_CLASSES)})")
+    return MODEL_CLASSES[architecture]
