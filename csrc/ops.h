@@ -16,6 +16,27 @@ void small_linear(at::Tensor& out,                     // [rows, out_features]
                   const at::Tensor& input,             // [rows, in_features]
                   const at::Tensor& weight,            // [out_features, in_features]
                   const std::optional<at::Tensor>& bias);  // [out_features]
+
+// CPU only: a whole Llama decoder layer for a few tokens (decode), in place on hidden and residual.
+void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hidden_size]: in, then the layer's output
+                         at::Tensor& residual,                // [num_tokens, hidden_size]
+                         const at::Tensor& positions,         // [num_tokens] int64
+                         const at::Tensor& input_norm_weight,  // [hidden_size]
+                         const at::Tensor& qkv_weight,        // [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
+                         const std::optional<at::Tensor>& qkv_bias,  // [(num_heads + 2 * num_kv_heads) * head_dim]
+                         const at::Tensor& o_weight,          // [hidden_size, num_heads * head_dim]
+                         const at::Tensor& post_norm_weight,  // [hidden_size]
+                         const at::Tensor& gate_up_weight,    // [2 * intermediate, hidden_size]
+                         const at::Tensor& down_weight,       // [hidden_size, intermediate]
+                         const at::Tensor& cos_sin_cache,     // [max_position, head_dim]
+                         at::Tensor& key_cache,               // [num_blocks, block_size, num_kv_heads, head_dim]
+                         at::Tensor& value_cache,             // [num_blocks, block_size, num_kv_heads, head_dim]
+                         const at::Tensor& slot_mapping,      // [num_tokens] int64
+                         const at::Tensor& block_tables,      // [batch, max_blocks_per_seq] int32
+                         const at::Tensor& cu_seqlens_q,      // [batch + 1] int32
+                         const at::Tensor& seq_lens,          // [batch] int32
+                         int64_t num_heads, int64_t num_kv_heads, double epsilon, double scale,
+                         int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window);
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -55,6 +55,12 @@ TORCH_LIBRARY(kvflow, m) {
   m.def("compute_logprobs(Tensor logits, Tensor token_ids, int num_top) -> (Tensor, Tensor, Tensor)");
   // out = input @ weight^T (+ bias) for a few rows (decode), reading the weights once. CPU only.
   m.def("small_linear(Tensor! out, Tensor input, Tensor weight, Tensor? bias=None) -> ()");
+  m.def(
+      "llama_decoder_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor input_norm_weight, "
+      "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor post_norm_weight, Tensor gate_up_weight, "
+      "Tensor down_weight, Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int num_heads, int num_kv_heads, float epsilon, "
+      "float scale, int max_query_len, int max_seq_len, int sliding_window=-1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -71,6 +77,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
   m.impl("small_linear", &kvflow::cpu::small_linear);
+  m.impl("llama_decoder_layer", &kvflow::cpu::llama_decoder_layer);
 }
 
 #ifdef KVFLOW_WITH_CUDA

@@ -26,6 +26,21 @@ def test_small_linear(rows, in_features, out_features, dtype, with_bias, cpu_isa
     torch.testing.assert_close(ops.small_linear(x, w, b).float(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_small_linear_float32_out_keeps_the_unrounded_sums(dtype, rows, cpu_isa):
+    # An LM head writes float32 logits: the sums must not pass through the weights' dtype, whose
+    # rounding (0.125 at 25 in bfloat16) would create ties between the top tokens.
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576, dtype=dtype)
+    w = torch.randn(1001, 576, dtype=dtype)
+    out = torch.empty(rows, 1001, dtype=torch.float32)
+    ops.small_linear(x, w, out=out)
+    expected = F.linear(x.float(), w.float())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3)
+    assert (out - expected).abs().max() < (expected.to(dtype).float() - expected).abs().max()
+
+
 def test_linear_routes_few_rows_and_matches_torch():
     torch.manual_seed(0)
     w = torch.randn(300, 64, dtype=torch.bfloat16)
@@ -46,3 +61,5 @@ def test_small_linear_rejects_bad_input():
         ops.small_linear(torch.randn(2, 16), w, torch.randn(9))
     with pytest.raises(RuntimeError, match="weight must be a contiguous"):
         ops.small_linear(torch.randn(2, 10), w.t())
+    with pytest.raises(RuntimeError, match="out has dtype"):
+        ops.small_linear(torch.randn(2, 16), w, out=torch.empty(2, 10, dtype=torch.bfloat16))

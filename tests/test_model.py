@@ -38,11 +38,12 @@ NEAR_TIE = 1e-4
 
 # Both sides compute in float32 from the same dequantized weights; they differ only in summation
 # order (kvflow's blocked CPU kernels vs. oneDNN/MKL), a few float32 ulps per dot product that 30
-# layers grow to a few 1e-5 on logits of magnitude ~30 (measured at most 6.1e-5 over PROMPTS).
+# layers grow to a few 1e-5 on logits of magnitude ~30 (measured 2.2e-5 to 5.9e-5 over the prompts).
 FP32_LOGIT_ATOL = 2e-4
 
-# bfloat16 weights and activations carry 8 mantissa bits, so logits move by ~0.1-0.5 (measured at
-# most 0.9 over PROMPTS); these bounds only catch a broken bfloat16 path (wrong layout, lost scale).
+# bfloat16 weights and activations carry 8 mantissa bits, so logits move by a few tenths (measured
+# 0.20 to 0.54 over the prompts); these bounds only catch a broken bfloat16 path (wrong layout, lost
+# scale), not the near-tie flips that make its greedy runs part ways with float32.
 BF16_LOGIT_SANITY = 2.0
 BF16_FIRST_TOKEN_AGREEMENT = 0.75
 
@@ -130,6 +131,12 @@ def hf_prompt_ids(hf_tokenizer, name: str) -> list[int]:
                                             return_dict=False)
 
 
+def kvflow_prompt_ids(tokenizer, name: str) -> list[int]:
+    if name in PLAIN_PROMPTS:
+        return tokenizer.encode(PLAIN_PROMPTS[name])
+    return tokenizer.encode(tokenizer.apply_chat_template(CHAT_PROMPTS[name], add_generation_prompt=True))
+
+
 @dataclass
 class HFRun:
     prompt_ids: list[int]
@@ -143,12 +150,15 @@ class HFRun:
 def hf_reference(hf_model, hf_tokenizer) -> dict[str, HFRun]:
     """Hugging Face's greedy run for every prompt. eos_token_id=[] makes it neither stop at nor mask
     the end token, as kvflow's ignore_eos does (min_new_tokens would mask it, and pick a different
-    token wherever the end token is the argmax)."""
+    token wherever the end token is the argmax). The attention mask is explicit: SmolLM2's pad token
+    is <|im_end|>, and transformers would otherwise infer a mask that hides every <|im_end|> of a
+    chat prompt."""
     runs = {}
     for name in PROMPT_NAMES:
         ids = hf_prompt_ids(hf_tokenizer, name)
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                                    do_sample=False, max_new_tokens=NEW_TOKENS,
                                     eos_token_id=[], pad_token_id=hf_tokenizer.pad_token_id,
                                     output_logits=True, return_dict_in_generate=True)
         logits = torch.cat(out.logits).float()  # raw logits, one row per generated token
@@ -227,13 +237,12 @@ def test_bfloat16_stays_close_to_float32_reference(kv_bf16, hf_reference, record
 
 @pytest.mark.parametrize("name", PROMPT_NAMES)
 def test_tokenizer_matches_hugging_face(name, kv_fp32, hf_tokenizer):
+    """The parity tests feed transformers' ids to both models; this is what kvflow makes of the same text."""
     if name in CHAT_PROMPTS:
         text = kv_fp32.tokenizer.apply_chat_template(CHAT_PROMPTS[name], add_generation_prompt=True)
         assert text == hf_tokenizer.apply_chat_template(CHAT_PROMPTS[name], add_generation_prompt=True,
                                                         tokenize=False)
-    else:
-        text = PLAIN_PROMPTS[name]
-    assert kv_fp32.tokenizer.encode(text) == hf_prompt_ids(hf_tokenizer, name)
+    assert kvflow_prompt_ids(kv_fp32.tokenizer, name) == hf_prompt_ids(hf_tokenizer, name)
 
 
 # ------------------------------------------------------------------------- safetensors directories
@@ -266,8 +275,8 @@ def test_sharded_safetensors_directory_runs_like_the_gguf(safetensors_dir, kv_fp
     for name, param in lm.model.named_parameters():
         assert torch.equal(param, gguf_params[name]), name
     for name in ("story", "chat_system"):
-        ids = hf_prompt_ids(hf_tokenizer, name)
-        assert lm.tokenizer.encode(lm.tokenizer.decode(ids)) == ids
+        ids = kvflow_prompt_ids(lm.tokenizer, name)  # the tokenizer transformers saved
+        assert ids == hf_prompt_ids(hf_tokenizer, name)
         assert kvflow_greedy(lm, ids, 32) == kvflow_greedy(kv_fp32, ids, 32)
 
 
@@ -349,7 +358,7 @@ def _encode(w: np.ndarray, type_name: str) -> np.ndarray:
 # Relative RMS error bound of each type for Gaussian weights (measured error about half of it): a
 # uniform b-bit code over a block's range leaves ~range / 2^b / sqrt(12); 16-bit floats round once.
 TYPE_RMS_BOUNDS = {
-    "F32": 0.0, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 0.01, "Q6_K": 0.03,
+    "F32": 0.0, "F16": 5e-4, "BF16": 4e-3, "Q8_0": 0.01, "Q6_K": 0.03,
     "Q5_0": 0.08, "Q5_1": 0.08, "Q5_K": 0.08, "Q4_0": 0.15, "Q4_1": 0.15, "Q4_K": 0.15,
 }
 

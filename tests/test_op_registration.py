@@ -51,6 +51,14 @@ def op_cases():
         "compute_logprobs": (torch.ops.kvflow.compute_logprobs, (torch.randn(3, 100), torch.tensor([1, 50, 99]), 5)),
         "small_linear": (torch.ops.kvflow.small_linear,
                          (torch.empty(3, 40), torch.randn(3, 33), torch.randn(40, 33), torch.randn(40))),
+        "llama_decoder_layer": (
+            torch.ops.kvflow.llama_decoder_layer,
+            (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), torch.ones(64), torch.randn(5 * 64, 64),
+             None, torch.randn(64, 192), torch.ones(64), torch.randn(256, 64), torch.randn(64, 128),
+             ops.compute_cos_sin_cache(64, 32), cache[:, :, :1].clone(), cache[:, :, :1].clone(), torch.tensor([3, 23]),
+             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+             torch.tensor([4, 8], dtype=torch.int32), 3, 1, 1e-5, 0.125, 1, 8, -1),
+        ),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -14,7 +14,9 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   check_device_type(input, "input", c10::DeviceType::CPU);
   const DType dtype = kernel_dtype(weight, "weight");
   check_like(input, "input", weight, "weight");
-  check_like(out, "out", weight, "weight");
+  const bool out_is_float32 = out.scalar_type() == at::kFloat;
+  if (!out_is_float32) check_like(out, "out", weight, "weight");
+  check_device_type(out, "out", c10::DeviceType::CPU);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [out_features, in_features] "
               "tensor, got shape ", weight.sizes());
   TORCH_CHECK(input.dim() == 2 && input.size(1) == weight.size(1), "input must be [rows, ", weight.size(1),
@@ -34,7 +36,7 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   const void* w_ptr = weight.data_ptr();
   const void* b_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
   at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
-    kernel(out_ptr, x_ptr, w_ptr, b_ptr, rows, in_features, out_features, begin, end);
+    kernel(out_ptr, out_is_float32, x_ptr, w_ptr, b_ptr, rows, in_features, out_features, begin, end);
   });
 }
 

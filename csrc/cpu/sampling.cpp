@@ -146,17 +146,26 @@ float checked_max(const KernelTable& kt, DType dtype, const void* row, int64_t v
   return max;
 }
 
-int32_t argmax(const void* row, DType dtype, int64_t vocab) {
-  int32_t best = 0;
-  float best_value = logit_at(row, dtype, 0);
-  for (int64_t i = 1; i < vocab; ++i) {
-    const float v = logit_at(row, dtype, i);
-    if (v > best_value) {
-      best_value = v;
-      best = int32_t(i);
-    }
+// The lowest index holding the row's maximum (found by checked_max): one typed scan that stops
+// at the first match.
+template <typename T>
+int32_t first_index_of(const T* row, int64_t vocab, float value) {
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (to_float(row[i]) == value) return int32_t(i);
   }
-  return best;
+  return 0;
+}
+
+int32_t argmax(const void* row, DType dtype, int64_t vocab, float max) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return first_index_of(static_cast<const float*>(row), vocab, max);
+    case DType::kFloat16:
+      return first_index_of(static_cast<const float16*>(row), vocab, max);
+    case DType::kBFloat16:
+      return first_index_of(static_cast<const bfloat16*>(row), vocab, max);
+  }
+  return 0;
 }
 
 // The tokens a row may draw, with their unnormalised probabilities, in increasing index order.
@@ -164,7 +173,7 @@ void kept_tokens(const KernelTable& kt, DType dtype, const void* row, int64_t vo
                  float max, Scratch& s) {
   s.kept.clear();
   if (r.temperature == 0.f) {
-    s.kept.push_back({argmax(row, dtype, vocab), 1.f});
+    s.kept.push_back({argmax(row, dtype, vocab, max), 1.f});
     return;
   }
   const float inv_t = 1.f / r.temperature;

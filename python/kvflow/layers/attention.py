@@ -33,3 +33,5 @@ class PagedAttention(nn.Module):
             self.scale, metadata.max_query_len, metadata.max_seq_len, self.sliding_window, 0.0, metadata.workspace,
         )
         return out.view(tokens, self.num_heads * self.head_dim)
+
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from kvflow.ops.linear import linear
+from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
 class VocabEmbedding(nn.Module):
@@ -15,9 +15,13 @@ class VocabEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(token_ids, self.weight)
 
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
+
 
 class LMHead(nn.Module):
-    """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]."""
+    """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]. On the CPU, up to
+    SMALL_LINEAR_MAX_ROWS rows get their logits straight from the float32 accumulators, without
+    a round trip through a bfloat16 that would tie tokens within 0.125 of each other."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  tied_to: VocabEmbedding | None = None):
@@ -28,4 +32,11 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return linear(hidden, weight).float()
+        rows = hidden.shape[0]
+        if hidden.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS:
+            logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+            torch.ops.kvflow.small_linear(logits, hidden, weight, None)
+            return logits
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

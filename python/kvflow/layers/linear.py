@@ -27,6 +27,7 @@ class Linear(nn.Module):
             return out
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         _copy_checked(self.weight, weight, "weight")
         if bias is not None:

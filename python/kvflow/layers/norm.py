@@ -19,3 +19,5 @@ class RMSNorm(nn.Module):
             return out
         torch.ops.kvflow.fused_add_rms_norm(x, residual, self.weight, self.eps, 0.0)
         return x, residual
+
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

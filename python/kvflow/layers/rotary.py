@@ -18,3 +18,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [tokens, heads * head_dim] and key in place."""
         torch.ops.kvflow.rotary_embedding(positions, query, key, self.head_dim, self.cos_sin_cache, self.is_neox)
+
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -11,6 +11,7 @@ from kvflow.attention_metadata import AttentionMetadata
 from kvflow.layers import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul,
                            VocabEmbedding)
 from kvflow.models.config import ModelConfig
+from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -33,6 +34,8 @@ class LlamaAttention(nn.Module):
         self.rotary(metadata.positions, query, key)
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
 
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
@@ -44,6 +47,8 @@ class LlamaMLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
@@ -53,16 +58,34 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        """residual += hidden, then the layer; returns (its output, the residual stream)."""
+        if hidden.is_cpu and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+            return self.forward_fused_cpu(hidden, residual, kv_cache, metadata)
+        return self.forward_op_by_op(hidden, residual, kv_cache, metadata)
+
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
+
+    def forward_op_by_op(self, hidden, residual, kv_cache, metadata):
+        hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_fused_cpu(self, hidden, residual, kv_cache, metadata):
+        """The same kernels in the same order as forward_op_by_op, called from C++ in one op
+        (kvflow::llama_decoder_layer): at decode, per-op dispatch would otherwise cost more than
+        several layers' attention. Writes the output into hidden."""
+        attn, mlp = self.self_attn, self.mlp
+        torch.ops.kvflow.llama_decoder_layer(
+            hidden, residual, metadata.positions, self.input_layernorm.weight, attn.qkv_proj.weight,
+            attn.qkv_proj.bias, attn.o_proj.weight, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, attn.rotary.cos_sin_cache, kv_cache[0], kv_cache[1], metadata.slot_mapping,
+            metadata.block_tables, metadata.cu_seqlens_q, metadata.seq_lens, attn.attn.num_heads,
+            attn.attn.num_kv_heads, self.input_layernorm.eps, attn.attn.scale, metadata.max_query_len,
+            metadata.max_seq_len, attn.attn.sliding_window)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -81,8 +104,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+        residual = self.embed_tokens(input_ids)
+        hidden = torch.zeros_like(residual)  # each layer begins with residual += hidden: the first adds nothing
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)

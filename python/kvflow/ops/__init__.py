@@ -4,6 +4,7 @@ from kvflow import _C
 from kvflow.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
+from kvflow.ops.decoder_layer import llama_decoder_layer
 from kvflow.ops.linear import linear, small_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
@@ -28,6 +29,7 @@ def set_cpu_isa(name: str) -> None:
 __all__ = [
     "apply_penalties",
     "apply_sampling_filters",
+    "llama_decoder_layer",
     "compute_logprobs",
     "sample",
     "compute_cos_sin_cache",

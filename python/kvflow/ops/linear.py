@@ -14,7 +14,8 @@ def small_linear(
 
     input [rows, in_features], weight [out_features, in_features] (contiguous, as nn.Linear
     stores it), bias [out_features]; all of one dtype (float32, float16 or bfloat16); float32
-    accumulation. Meant for rows <= SMALL_LINEAR_MAX_ROWS; correct for any.
+    accumulation. out is of that dtype too, or float32 (an LM head's logits, unrounded). Meant
+    for rows <= SMALL_LINEAR_MAX_ROWS; correct for any.
     """
     if out is None:
         out = torch.empty((input.shape[0], weight.shape[0]), dtype=weight.dtype, device=weight.device)

@@ -110,9 +110,10 @@ using ExpSumFn = double (*)(const void* x, int64_t n, float max, float inv_tempe
 using CollectGreaterFn = int64_t (*)(const void* x, int64_t begin, int64_t end, float threshold, int32_t* out);
 
 // out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for output features o in [begin, end):
-// the few-row matmul of decode, bound by reading the weights once. x, weight, bias and out are
-// all of the table entry's dtype; float32 accumulation.
+// the few-row matmul of decode, bound by reading the weights once. x, weight and bias are of the
+// table entry's dtype, out too unless out_is_float32 (an LM head's logits); float32 accumulation.
 using SmallLinearFn = void (*)(void* out,           // [rows, out_features]
+                               bool out_is_float32,
                                const void* x,       // [rows, in_features]
                                const void* weight,  // [out_features, in_features]
                                const void* bias,    // [out_features] or null

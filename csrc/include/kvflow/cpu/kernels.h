@@ -265,8 +265,24 @@ int64_t collect_greater(const void* input, int64_t begin, int64_t end, float thr
 // One tile of small_linear: kOut consecutive output features times kRows input rows. Each
 // weight vector loaded serves kRows dot products and each input vector kOut, which keeps up to
 // eight rows bound by reading the weights rather than by loads.
+// small_linear's output: of the weights' type T, or float32.
+template <typename T>
+struct LinearOut {
+  void* base;  // [rows, out_features]
+  bool is_float32;
+
+  void store(int64_t index, float value) const {
+    if (is_float32) {
+      static_cast<float*>(base)[index] = value;
+    } else {
+      static_cast<T*>(base)[index] = from_float<T>(value);
+    }
+  }
+};
+
 template <class V, typename T, int kOut, int kRows>
-inline void small_linear_tile(T* y, const T* x, const T* w, const T* b, int64_t in_features, int64_t out_features) {
+inline void small_linear_tile(const LinearOut<T>& y, int64_t y_index, const T* x, const T* w, const T* b,
+                              int64_t in_features, int64_t out_features) {
   constexpr int W = V::kWidth;
   typename V::Reg acc[kRows][kOut];
   for (int r = 0; r < kRows; ++r) {
@@ -289,7 +305,7 @@ inline void small_linear_tile(T* y, const T* x, const T* w, const T* b, int64_t 
       float sum = V::reduce_add(acc[r][o]);
       for (int64_t kk = k; kk < in_features; ++kk) sum += to_float(x[r * in_features + kk]) * to_float(w[o * in_features + kk]);
       if (b != nullptr) sum += to_float(b[o]);
-      y[r * out_features + o] = from_float<T>(sum);
+      y.store(y_index + r * out_features + o, sum);
     }
   }
 }
@@ -326,7 +342,8 @@ inline void small_linear_blocks(int64_t rows, int64_t begin, int64_t end, const 
 
 template <class V, typename T>
 struct SmallLinearTile {
-  T* y;
+  LinearOut<T> y;
+  int64_t y_index;  // of output (r0, o)
   const T* x;
   const T* w;
   const T* b;
@@ -334,19 +351,19 @@ struct SmallLinearTile {
 
   template <int kOut, int kRows>
   void run() const {
-    small_linear_tile<V, T, kOut, kRows>(y, x, w, b, in_features, out_features);
+    small_linear_tile<V, T, kOut, kRows>(y, y_index, x, w, b, in_features, out_features);
   }
 };
 
 template <class V, typename T>
-void small_linear(void* out, const void* input, const void* weight, const void* bias, int64_t rows,
-                  int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
+void small_linear(void* out, bool out_is_float32, const void* input, const void* weight, const void* bias,
+                  int64_t rows, int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
   const T* x = static_cast<const T*>(input);
   const T* w = static_cast<const T*>(weight);
   const T* b = static_cast<const T*>(bias);
-  T* y = static_cast<T*>(out);
+  const LinearOut<T> y{out, out_is_float32};
   small_linear_blocks(rows, begin, end, [&](int64_t o, int64_t r0) {
-    return SmallLinearTile<V, T>{y + r0 * out_features + o, x + r0 * in_features, w + o * in_features,
+    return SmallLinearTile<V, T>{y, r0 * out_features + o, x + r0 * in_features, w + o * in_features,
                                  b == nullptr ? nullptr : b + o, in_features, out_features};
   });
 }

@@ -15,9 +15,24 @@
 namespace kvflow::cpu {
 namespace {
 
+// [sum(a), sum(b), sum(c), sum(d)]: four horizontal sums sharing their shuffles, a third of the
+// instructions of four separate reductions (which at 4-8 rows compete with vdpbf16ps for the
+// vector units).
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and likewise for c, d.
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // Per lane: [a, b, c, d] partial sums.
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
 struct SmallLinearTileAvx512Bf16 {
   static constexpr int kPrefetchBlocks = 4;
-  bfloat16* y;        // [rows, out_features] at (r0, o)
+  LinearOut<bfloat16> y;
+  int64_t y_index;    // of output (r0, o)
   const bfloat16* x;  // [rows, in_features] at row r0
   const bfloat16* w;  // [out_features, in_features] at row o
   const bfloat16* b;  // [out_features] at o, or null
@@ -50,24 +65,28 @@ struct SmallLinearTileAvx512Bf16 {
     // Fully unrolled, so that every accumulator is a named register rather than stack memory.
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
+      float sums[kOut];
+      if constexpr (kOut == 4) {
+        _mm_storeu_ps(sums, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      } else {
 #pragma GCC unroll 4
-      for (int o = 0; o < kOut; ++o) {
-        float sum = VecAvx512::reduce_add(acc[r][o]);
-        if (b != nullptr) sum += to_float(b[o]);
-        y[r * out_features + o] = from_float<bfloat16>(sum);
+        for (int o = 0; o < kOut; ++o) sums[o] = VecAvx512::reduce_add(acc[r][o]);
       }
+#pragma GCC unroll 4
+      for (int o = 0; o < kOut; ++o) y.store(y_index + r * out_features + o, b == nullptr ? sums[o] : sums[o] + to_float(b[o]));
     }
   }
 };
 
-inline void small_linear_avx512_bf16(void* out, const void* input, const void* weight, const void* bias, int64_t rows,
-                                     int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
+inline void small_linear_avx512_bf16(void* out, bool out_is_float32, const void* input, const void* weight,
+                                     const void* bias, int64_t rows, int64_t in_features, int64_t out_features,
+                                     int64_t begin, int64_t end) {
   const bfloat16* x = static_cast<const bfloat16*>(input);
   const bfloat16* w = static_cast<const bfloat16*>(weight);
   const bfloat16* b = static_cast<const bfloat16*>(bias);
-  bfloat16* y = static_cast<bfloat16*>(out);
+  const LinearOut<bfloat16> y{out, out_is_float32};
   small_linear_blocks(rows, begin, end, [&](int64_t o, int64_t r0) {
-    return SmallLinearTileAvx512Bf16{y + r0 * out_features + o, x + r0 * in_features, w + o * in_features,
+    return SmallLinearTileAvx512Bf16{y, r0 * out_features + o, x + r0 * in_features, w + o * in_features,
                                      b == nullptr ? nullptr : b + o, in_features, out_features};
   });
 }

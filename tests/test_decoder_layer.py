@@ -1,0 +1,110 @@
+"""The fused CPU decoder layer (kvflow::llama_decoder_layer, taken at decode) against the same
+layer run op by op: the same kernels in the same order, so hidden state, residual stream and KV
+cache must agree bit for bit; and the op-by-op layer against plain float32 PyTorch, so that the
+pair cannot agree on a wrong answer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.kv_cache import allocate_kv_caches
+from kvflow.models.config import ModelConfig
+from kvflow.models.llama import LlamaForCausalLM
+
+BLOCK = 16
+
+
+def small_model(dtype, attention_bias=False, sliding_window=None):
+    config = ModelConfig("LlamaForCausalLM", vocab_size=97, hidden_size=192, intermediate_size=320, num_layers=2,
+                         num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=attention_bias,
+                         sliding_window=sliding_window)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return model
+
+
+def step_inputs(model, context_lens, new_lens, dtype):
+    """Caches holding random context, plus metadata and inputs for new tokens after it."""
+    kv = allocate_kv_caches(model.config, 32, BLOCK, dtype, "cpu")
+    for key_cache, value_cache in kv:
+        key_cache.normal_()
+        value_cache.normal_()
+    tables, next_block = [], 0
+    for c, n in zip(context_lens, new_lens):
+        blocks = -(-(c + n) // BLOCK)
+        tables.append(list(range(next_block, next_block + blocks))[::-1])  # out of order on purpose
+        next_block += blocks
+    md = AttentionMetadata.build(new_lens, [c + n for c, n in zip(context_lens, new_lens)], tables, BLOCK)
+    hidden = torch.randn(sum(new_lens), model.config.hidden_size, dtype=dtype)
+    residual = torch.randn(sum(new_lens), model.config.hidden_size, dtype=dtype)
+    return hidden, residual, kv, md
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,new_lens", [([37], [1]), ([5, 70, 0], [1, 1, 3]), ([200], [8])])
+@pytest.mark.parametrize("variant", ["plain", "qkv_bias", "sliding_window"])
+def test_fused_layer_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu_isa):
+    model = small_model(dtype, attention_bias=variant == "qkv_bias",
+                        sliding_window=24 if variant == "sliding_window" else None)
+    layer = model.layers[0]
+    hidden, residual, kv, md = step_inputs(model, context_lens, new_lens, dtype)
+    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
+    out, res = layer.forward_op_by_op(hidden.clone(), residual.clone(), kv[0], md)
+    fused_hidden, fused_residual = hidden.clone(), residual.clone()
+    layer.forward_fused_cpu(fused_hidden, fused_residual, kv_fused[0], md)
+    assert torch.equal(fused_hidden, out)
+    assert torch.equal(fused_residual, res)
+    assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
+
+
+def reference_layer(layer, hidden, residual, keys, values, positions, config):
+    """Plain float32 PyTorch for one request whose past keys/values (rotated) are given."""
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w.float()
+
+    residual = residual.float() + hidden.float()
+    x = rms(residual, layer.input_layernorm.weight)
+    attn = layer.self_attn
+    qkv = F.linear(x, attn.qkv_proj.weight.float(), None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.float())
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+    cos_sin = attn.rotary.cos_sin_cache[positions]
+    cos, sin = cos_sin.chunk(2, -1)
+
+    def rotate(t, heads):
+        t = t.view(len(positions), heads, 64)
+        a, b = t.chunk(2, -1)
+        return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
+
+    q, k = rotate(q, config.num_heads), rotate(k, config.num_kv_heads)
+    keys = torch.cat([keys, k]).repeat_interleave(config.num_heads // config.num_kv_heads, 1)
+    values = torch.cat([values, v.view(len(positions), config.num_kv_heads, 64)]).repeat_interleave(
+        config.num_heads // config.num_kv_heads, 1)
+    mask = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / 8.0
+    a = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), values).reshape(
+        len(positions), -1)
+    residual = residual + F.linear(a, attn.o_proj.weight.float())
+    x = rms(residual, layer.post_attention_layernorm.weight)
+    gate, up = F.linear(x, layer.mlp.gate_up_proj.weight.float()).chunk(2, -1)
+    return F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight.float()), residual
+
+
+@pytest.mark.parametrize("new_tokens", [1, 4])
+def test_decode_layer_matches_plain_pytorch(new_tokens):
+    model = small_model(torch.float32)
+    layer, config = model.layers[0], model.config
+    context = 29
+    hidden, residual, kv, md = step_inputs(model, [context], [new_tokens], torch.float32)
+    table = md.block_tables[0].tolist()
+    slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)]
+    keys, values = kv[0][0].view(-1, 2, 64)[slots].clone(), kv[0][1].view(-1, 2, 64)[slots].clone()
+    expected_hidden, expected_residual = reference_layer(layer, hidden, residual, keys, values,
+                                                         md.positions, config)
+    out, res = layer(hidden, residual, kv[0], md)  # new_tokens <= 8 on the CPU: the fused op
+    torch.testing.assert_close(res, expected_residual, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected_hidden, rtol=1e-4, atol=1e-4)
