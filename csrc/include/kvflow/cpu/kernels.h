@@ -288,9 +288,14 @@ inline void small_linear_tile(const LinearOut<T>& y, int64_t y_index, const T* x
   for (int r = 0; r < kRows; ++r) {
     for (int o = 0; o < kOut; ++o) acc[r][o] = V::zero();
   }
+  // The same position two blocks of kOut rows ahead goes to L2 while this block is read: the
+  // rows are too short for the hardware prefetcher to follow kOut streams at once, and L1 is
+  // left to the rows being read (at 4-8 input rows they are read once per row block).
+  const int64_t ahead = 2 * kOut * in_features;
   int64_t k = 0;
   for (; k + W <= in_features; k += W) {
     typename V::Reg wv[kOut];
+    for (int o = 0; o < kOut; ++o) __builtin_prefetch(w + ahead + o * in_features + k, 0, 2);
     for (int o = 0; o < kOut; ++o) wv[o] = V::load(w + o * in_features + k);
     for (int r = 0; r < kRows; ++r) {
       const auto xv = V::load(x + r * in_features + k);

@@ -30,7 +30,7 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 struct SmallLinearTileAvx512Bf16 {
-  static constexpr int kPrefetchBlocks = 4;
+  static constexpr int kPrefetchBlocks = 2;
   LinearOut<bfloat16> y;
   int64_t y_index;    // of output (r0, o)
   const bfloat16* x;  // [rows, in_features] at row r0
@@ -48,12 +48,13 @@ struct SmallLinearTileAvx512Bf16 {
     const int64_t full = in_features / 32 * 32;
     const __mmask32 tail_mask = __mmask32((uint64_t(1) << (in_features - full)) - 1);
     // This block's kOut weight rows are contiguous, and so is the next block; each step
-    // prefetches as many bytes as it consumes, kPrefetchBlocks blocks ahead, so the memory
-    // system always has the next block in flight (its rows are too short for the hardware
-    // prefetcher to pick up four streams at once).
+    // prefetches into L2 as many bytes as it consumes, kPrefetchBlocks blocks ahead, so the
+    // memory system always has the next block in flight (the rows are too short for the
+    // hardware prefetcher to pick up four streams at once). Not into L1: at 4-8 input rows
+    // the block being read is read once per row block and must stay there.
     const char* prefetch = reinterpret_cast<const char*>(w) + kPrefetchBlocks * kOut * in_features * 2;
     for (int64_t k = 0; k < in_features; k += 32, prefetch += kOut * 64) {
-      for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T0);
+      for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T1);
       const __mmask32 mask = k < full ? ~__mmask32(0) : tail_mask;
       __m512bh wv[kOut];
       for (int o = 0; o < kOut; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * in_features + k);
