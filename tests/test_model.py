@@ -500,7 +500,7 @@ def test_checkpoint_missing_a_tensor(safetensors_dir, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     index_path.unlink()
     index_path.write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"checkpoint is missing 1 tensors: layers\.3\.mlp\.down_proj\.weight"):
+    with pytest.raises(ValueError, match=r"checkpoint lacks weights for 1 parameter\(s\) of the model: layers\.3\.mlp\.down_proj\.weight"):
         load_model(str(directory), torch.float32)
 
 

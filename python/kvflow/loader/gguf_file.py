@@ -76,6 +76,10 @@ def config_from_gguf(reader) -> ModelConfig:
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab_size = meta("vocab_size") or (len(tokens) if tokens is not None else None)
     tensor_names = {t.name for t in reader.tensors}
+    for tensor in reader.tensors:  # before anything is allocated
+        if tensor.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which kvflow cannot "
+                             f"load (supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
     if vocab_size is None:
         raise ValueError("GGUF file gives no vocabulary size")
     if "token_embd.weight" not in tensor_names:

@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+            raise ValueError(f"checkpoint lacks weights for {len(missing)} parameter(s) of the model: {shown}")
 
     @staticmethod
     def _module(modules: dict, module_name: str, checkpoint_name: str) -> nn.Module:
