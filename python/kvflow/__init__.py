@@ -12,4 +12,17 @@ from kvflow.attention_metadata import AttentionMetadata
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "ops", "__version__"]
+__all__ = ["LLM", "AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "SamplingParams", "ops", "__version__"]
+
+
+def __getattr__(name):
+    # The engine pulls in the model loader and tokenizers; load them only when asked for.
+    if name == "LLM":
+        from kvflow.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvflow.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -1,23 +1,40 @@
-"""The command line. Only the completion goes to stdout, so that it can be piped; progress and
+"""The command line. Only completions go to stdout, so that they can be piped; progress and
 timings go to stderr."""
 
 import argparse
 import sys
 
-import torch
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+from kvflow.engine.config import DTYPES
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def parse_memory(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * scale)
+    return int(float(lowered))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine configuration every entry point shares, under vLLM's names."""
     parser.add_argument("--model", default=None,
                         help="a GGUF file, a Hugging Face directory (config.json + safetensors), or the name of the "
                              "embedded default SmolLM2-135M-Instruct (the default)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
                         help="weights and activations (quantized GGUF weights are dequantized at load)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None,
-                        help="KV cache size in tokens (default: the model's context length)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per model step")
+    parser.add_argument("--kv-cache-memory", type=parse_memory, default=1 << 30,
+                        help="KV cache size, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of shared prompt prefixes")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--seed", type=int, default=None, help="fixes the random draws")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +44,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None, help="fixes the random draws")
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end tokens")
 
@@ -36,24 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvflow", description="kvflow: an LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="stream the completion of one prompt to stdout")
-    generate.add_argument("prompt", help="the prompt text; special tokens written in it (e.g. <|im_start|>) "
-                                         "are read as special tokens")
-    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    generate = commands.add_parser("generate", help="stream the completion of a prompt to stdout")
+    generate.add_argument("prompt", nargs="?", default=None,
+                          help="the prompt text; special tokens written in it (e.g. <|im_start|>) are read as "
+                               "special tokens")
+    generate.add_argument("--prompts-file", default=None,
+                          help="a file with one prompt per line, all run together (batched); completions are "
+                               "printed in order, one block each")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     generate.add_argument("--system", default=None, help="a system message (with --chat)")
     generate.add_argument("--quiet", action="store_true", help="no progress or timings on stderr")
-    add_model_arguments(generate)
+    add_engine_arguments(generate)
     add_sampling_arguments(generate)
 
     chat = commands.add_parser("chat", help="an interactive conversation in the terminal")
     chat.add_argument("--system", default=None, help="a system message")
-    add_model_arguments(chat)
+    add_engine_arguments(chat)
     add_sampling_arguments(chat)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and (args.prompt is None) == (args.prompts_file is None):
+        parser.error("generate takes a prompt or --prompts-file (one of the two)")
     from kvflow.entrypoints import cli_commands
 
     try:

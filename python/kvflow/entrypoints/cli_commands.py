@@ -1,14 +1,12 @@
-"""generate and chat: load the model, then stream tokens through the incremental detokenizer."""
+"""generate and chat: requests through the engine, text streamed from its step outputs."""
 
+import logging
 import sys
 
-from kvflow.engine.model_runner import ModelRunner
+from kvflow.engine.config import EngineConfig
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
-from kvflow.engine.single_sequence import GenerationTimings, generate_tokens
-from kvflow.engine.stop_strings import StopStringMatcher
-from kvflow.entrypoints.cli import DTYPES
-from kvflow.loader import LoadedModel, load_model
-from kvflow.tokenizer import IncrementalDetokenizer
 
 
 def _log(args, message: str) -> None:
@@ -16,70 +14,78 @@ def _log(args, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _load(args) -> tuple[LoadedModel, ModelRunner]:
+def _engine(args) -> LLMEngine:
+    if not getattr(args, "quiet", False):
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     _log(args, "loading model ...")
-    loaded = load_model(args.model, DTYPES[args.dtype], args.device)
-    context = loaded.config.max_position_embeddings
-    tokens = min(args.kv_cache_tokens or context, context)
-    block_size = 16
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=-(-tokens // block_size), block_size=block_size,
-                         device=args.device)
-    _log(args, f"loaded {loaded.path} ({loaded.config.architecture}, {args.dtype}) in {loaded.load_seconds:.2f} s")
-    return loaded, runner
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                          enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+                          seed=args.seed if args.seed is not None else 0)
+    return LLMEngine(config)
 
 
-def _sampling_params(args) -> SamplingParams:
+def _sampling_params(args, index: int = 0) -> SamplingParams:
+    seed = None if args.seed is None else args.seed + index
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
+                          seed=seed, stop=list(args.stop), ignore_eos=args.ignore_eos)
 
 
-def _stream(loaded: LoadedModel, runner: ModelRunner, prompt_ids: list[int], params: SamplingParams,
-            out) -> tuple[str, GenerationTimings, str | None]:
-    """Writes the completion to out as it is produced; returns (text, timings, finish reason)."""
-    detokenizer = IncrementalDetokenizer(loaded.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
-    stops = StopStringMatcher(params.stop)
-    timings = GenerationTimings()
-    text, finish = "", None
-    for step in generate_tokens(runner, prompt_ids, params, loaded.tokenizer.stop_token_ids, timings):
-        piece, stopped = stops.feed(detokenizer.step([step.token_id]))
-        finish = "stop" if stopped else step.finish_reason
-        if finish is not None and not stopped:
-            piece += stops.feed(detokenizer.flush())[0] + stops.flush()
-        out.write(piece)
-        out.flush()
-        text += piece
-        if stopped:
-            break
-    return text, timings, finish
+def _report(args, output: RequestOutput) -> None:
+    m, completion = output.metrics, output.outputs[0]
+    tpot = f"TPOT {m.tpot * 1e3:.1f} ms ({1 / m.tpot:.1f} tokens/s)" if m.tpot else "TPOT -"
+    _log(args, f"[{output.request_id}: {len(output.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} "
+               f"generated ({completion.finish_reason}); TTFT {m.ttft * 1e3:.1f} ms, {tpot}]")
 
 
-def _report(args, timings: GenerationTimings, finish: str | None) -> None:
-    generated = len(timings.token_times)
-    rate = (generated - 1) / (timings.token_times[-1] - timings.token_times[0]) if generated > 1 else 0.0
-    _log(args, f"[{timings.prompt_tokens} prompt tokens, {generated} generated ({finish}); "
-               f"TTFT {timings.ttft * 1e3:.1f} ms, TPOT {timings.tpot * 1e3:.1f} ms ({rate:.1f} tokens/s)]")
+def _run_streaming(engine: LLMEngine, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    engine.add_request(request_id, prompt_ids, params)
+    while True:
+        for output in engine.step():
+            sys.stdout.write(output.outputs[0].delta_text)
+            sys.stdout.flush()
+            if output.finished:
+                sys.stdout.write("\n")
+                return output
+
+
+def _prompt_ids(engine: LLMEngine, args, text: str) -> list[int]:
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
+    return engine.tokenizer.encode(text)
 
 
 def generate(args) -> int:
-    loaded, runner = _load(args)
-    params = _sampling_params(args)
-    prompt = args.prompt
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = loaded.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
-    prompt_ids = loaded.tokenizer.encode(prompt)
-    _, timings, finish = _stream(loaded, runner, prompt_ids, params, sys.stdout)
-    sys.stdout.write("\n")
-    _report(args, timings, finish)
+    engine = _engine(args)
+    if args.prompt is not None:
+        output = _run_streaming(engine, "generate-0", _prompt_ids(engine, args, args.prompt), _sampling_params(args))
+        _report(args, output)
+        return 0
+    with open(args.prompts_file) as f:
+        prompts = [line.rstrip("\n") for line in f if line.strip()]
+    ids = []
+    for i, prompt in enumerate(prompts):
+        ids.append(f"generate-{i}")
+        engine.add_request(ids[-1], _prompt_ids(engine, args, prompt), _sampling_params(args, i))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    for request_id, prompt in zip(ids, prompts):
+        sys.stdout.write(f"=== {prompt}\n{finished[request_id].outputs[0].text}\n")
+        _report(args, finished[request_id])
     return 0
 
 
 def chat(args) -> int:
-    loaded, runner = _load(args)
-    params = _sampling_params(args)
+    engine = _engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
+    turn = 0
     while True:
         try:
             user = input("> ")
@@ -88,8 +94,8 @@ def chat(args) -> int:
         if not user.strip():
             return 0
         messages.append({"role": "user", "content": user})
-        prompt_ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages))
-        answer, timings, finish = _stream(loaded, runner, prompt_ids, params, sys.stdout)
-        sys.stdout.write("\n")
-        _report(args, timings, finish)
-        messages.append({"role": "assistant", "content": answer})
+        prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+        output = _run_streaming(engine, f"chat-{turn}", prompt_ids, _sampling_params(args, turn))
+        _report(args, output)
+        messages.append({"role": "assistant", "content": output.outputs[0].text})
+        turn += 1

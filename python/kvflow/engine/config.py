@@ -1,0 +1,36 @@
+"""One engine configuration for every entry point (offline API, CLI, server), with vLLM's names."""
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None              # GGUF file, HF directory, or None for the embedded default
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None      # default: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int = 1 << 30        # bytes of KV cache
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    threads: int | None = None            # CPU threads (default: torch's)
+    seed: int = 0                         # seeds requests that bring none
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.block_size % 16:
+            raise ValueError(f"block_size must be a multiple of 16 (the CPU attention kernel's), got {self.block_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,206 @@
+"""Which tokens of which requests the next model step computes.
+
+Each step fills a token budget under a cap on running requests: first one token for every
+running request that is decoding (or the next chunk of one still in its prompt), in admission
+order, then prompt chunks of waiting requests in arrival order. Blocks come from the C++
+BlockAllocator; a new request first looks its prompt up in the prefix cache. When the pool runs
+dry the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed. Torch-free: requests and block ids only."""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvflow.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256               # running requests at once
+    max_num_batched_tokens: int = 2048    # new tokens per step (decode tokens + prompt chunks)
+    max_model_len: int = 8192             # prompt + output
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so a new one is due."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator):
+        if allocator.block_size != config.block_size:
+            raise ValueError(f"allocator block size {allocator.block_size} != scheduler's {config.block_size}")
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new sequence; raises ValueError for one that could never complete."""
+        self.check_fits(len(seq.prompt_token_ids), seq.params.max_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        if prompt_len >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens; the model's context (max_model_len) is "
+                             f"{self.config.max_model_len}, which leaves no room for an answer")
+        longest = min(prompt_len + max_tokens, self.config.max_model_len)
+        blocks = self._blocks_for(longest)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(f"a request of up to {longest} tokens needs {blocks} KV blocks; the pool has only "
+                             f"{self.allocator.num_blocks} (raise the KV cache memory or lower max_tokens)")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, n, out):
+                break  # seq itself was preempted: it was the last running one
+            out.scheduled.append(ScheduledSequence(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and self.config.enable_prefix_caching:
+                self._attach_cached_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.allocator.can_allocate(self._missing_blocks(seq, n)):
+                # Hand back the cached prefix too: a waiting request holds no blocks, so that the
+                # running ones can always finish.
+                self._release_blocks(seq)
+                seq.num_computed_tokens = 0
+                break
+            self._grow(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return out
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for n more tokens of seq, preempting the latest admitted others if needed.
+        False if seq had to be preempted itself."""
+        while not self.allocator.can_allocate(self._missing_blocks(seq, n)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            if victim is seq:
+                return False
+        self._grow(seq, n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        """The longest cached run of seq's full blocks, leaving at least one token to compute
+        (its logits are what the next token is sampled from)."""
+        tokens = seq.token_ids
+        hits = self.allocator.lookup(tokens)
+        usable = (len(tokens) - 1) // self.config.block_size
+        if len(hits) > usable:
+            self.allocator.free(hits[usable:])
+            hits = hits[:usable]
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = len(hits) * self.config.block_size
+        parent = self.allocator.ROOT_HASH
+        seq.block_hashes = []
+        for b in range(len(hits)):
+            parent = self.allocator.hash_block(parent, tokens[b * self.config.block_size:(b + 1) * self.config.block_size])
+            seq.block_hashes.append(parent)
+
+    # ------------------------------------------------------------------ after the step
+
+    def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
+        """Advance every scheduled sequence past the tokens just computed (the engine has already
+        appended any sampled token) and cache its newly full blocks."""
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if self.config.enable_prefix_caching:
+                self._register_full_blocks(seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Ends seq (stopped, length or aborted) and frees its blocks now."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release_blocks(seq)
+        seq.status = status
+
+    # ------------------------------------------------------------------ blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _missing_blocks(self, seq: Sequence, n: int) -> int:
+        return max(0, self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        missing = self._missing_blocks(seq, n)
+        if missing:
+            seq.block_table += self.allocator.allocate(missing)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        size = self.config.block_size
+        full = min(seq.num_computed_tokens, seq.num_tokens) // size
+        tokens = None
+        while len(seq.block_hashes) < full:
+            b = len(seq.block_hashes)
+            tokens = tokens or seq.token_ids
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.allocator.ROOT_HASH
+            seq.block_hashes.append(self.allocator.register_block(seq.block_table[b], parent,
+                                                                  tokens[b * size:(b + 1) * size]))
