@@ -6,7 +6,7 @@ conditions, free finished requests' blocks -> RequestOutputs for every request t
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,9 +20,22 @@ from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.stop_strings import StopStringMatcher
 from kvflow.loader import load_model
+from kvflow.ops.cache import copy_blocks
 from kvflow.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvflow")
+
+
+@dataclass
+class _Sample:
+    """One of a request's n parallel samples, with its own text stream."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text: str = ""
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -30,12 +43,18 @@ class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
-    text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    samples: list[_Sample]
+    unforked: list[_Sample]  # samples 1..n-1 until sample 0 has computed the prompt
     num_cached_prompt_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.seq.status.finished for sample in self.samples)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Sample i of a request draws with a seed derived from (seed, i); sample 0 with seed itself."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
 class LLMEngine:
@@ -58,6 +77,9 @@ class LLMEngine:
                                                    config.block_size, config.enable_prefix_caching), self.allocator)
         self._requests: dict[str, _Request] = {}
         self._seeds = random.Random(config.seed)
+        self._prompt_tokens = 0          # admitted so far
+        self._cached_prompt_tokens = 0   # of which the prefix cache served
+        self._generated_tokens = 0
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
@@ -81,17 +103,21 @@ class LLMEngine:
             if any(not 0 <= t < self.model_config.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        seq = Sequence(request_id, ids, params, seed)
-        self.scheduler.add(seq)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
-        self._requests[request_id] = _Request(request_id, text, ids, seq, detokenizer, StopStringMatcher(params.stop),
-                                              logprobs=[] if params.logprobs is not None else None)
+        samples = []
+        for index in range(params.n):
+            seq = Sequence(request_id, ids, params, sample_seed(seed, index), index)
+            samples.append(_Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                                   StopStringMatcher(params.stop), logprobs=[] if params.logprobs is not None else None))
+        self.scheduler.add(samples[0].seq)
+        self._requests[request_id] = _Request(request_id, text, ids, samples, samples[1:])
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its blocks; unknown or finished ids are ignored."""
         request = self._requests.pop(request_id, None)
         if request is not None:
-            self.scheduler.finish(request.seq, SequenceStatus.FINISHED_ABORTED)
+            for sample in request.samples:
+                if not sample.seq.status.finished:
+                    self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -102,79 +128,122 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        if plan.copies:
+            copy_blocks([k for k, _ in self.runner.kv_caches], [v for _, v in self.runner.kv_caches],
+                        torch.tensor(plan.copies, dtype=torch.int64, device=self.runner.device))
         now = time.perf_counter()
         batch = []
         for s in plan.scheduled:
             seq = s.seq
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
-                self._requests[seq.request_id].num_cached_prompt_tokens = seq.num_computed_tokens
+                if seq.index == 0:
+                    self._requests[seq.request_id].num_cached_prompt_tokens = seq.num_computed_tokens
+                    self._prompt_tokens += len(seq.prompt_token_ids)
+                    self._cached_prompt_tokens += seq.num_computed_tokens
             start = seq.num_computed_tokens
             batch.append(ScheduledRequest(seq.token_ids[start:start + s.num_new_tokens], start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
         sampled = self.runner.execute(batch)
         now = time.perf_counter()
+        advanced = []
         for s, token in zip(plan.scheduled, sampled):
-            if token is not None:
-                seq = s.seq
-                seq.output_token_ids.append(token.token_id)
-                seq.times.token_times.append(now)
-                if seq.times.first_token is None:
-                    seq.times.first_token = now
-                request = self._requests[seq.request_id]
-                if request.logprobs is not None:
-                    entry = {token.token_id: token.logprob}
-                    entry.update({t: lp for t, lp in token.top_logprobs or []})
-                    request.logprobs.append(entry)
+            if token is None:
+                continue
+            seq = s.seq
+            seq.output_token_ids.append(token.token_id)
+            seq.times.token_times.append(now)
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            sample = self._requests[seq.request_id].samples[seq.index]
+            if sample.logprobs is not None:
+                entry = {token.token_id: token.logprob}
+                entry.update({t: lp for t, lp in token.top_logprobs or []})
+                sample.logprobs.append(entry)
+            advanced.append(sample)
+            self._generated_tokens += 1
         self.scheduler.on_step_done(plan.scheduled)
-        return [self._advance(s.seq, now) for s, token in zip(plan.scheduled, sampled) if token is not None]
+        touched: dict[str, _Request] = {}
+        for sample in advanced:
+            request = self._requests[sample.seq.request_id]
+            if sample.seq.index == 0 and request.unforked:
+                self._fork(request)
+            self._advance(sample, now)
+            touched[request.request_id] = request
+        outputs = [self._output(request) for request in touched.values()]
+        for request in touched.values():
+            for sample in request.samples:
+                sample.delta_text, sample.delta_token_ids = "", []
+            if request.finished:
+                del self._requests[request.request_id]
+        return outputs
 
-    def _advance(self, seq: Sequence, now: float) -> RequestOutput:
-        """Detokenizes seq's new token, applies the stop conditions, and reports it."""
-        request = self._requests[seq.request_id]
-        params = seq.params
+    def _fork(self, request: _Request) -> None:
+        """Samples 1..n-1 start from sample 0's prompt blocks, each with its own reference; each
+        recomputes the last prompt token for logits of its own (written into a copy of the shared
+        block), then draws with its own seed."""
+        parent = request.samples[0].seq
+        prompt_len = len(request.prompt_token_ids)
+        blocks = parent.block_table[: -(-prompt_len // self.scheduler.config.block_size)]
+        for sample in reversed(request.unforked):
+            self.allocator.fork(blocks)
+            sample.seq.block_table = list(blocks)
+            sample.seq.num_computed_tokens = prompt_len - 1
+            sample.seq.block_hashes = parent.block_hashes[: (prompt_len - 1) // self.scheduler.config.block_size]
+            self.scheduler.add_forked(sample.seq)
+        request.unforked = []
+
+    def _advance(self, sample: _Sample, now: float) -> None:
+        """Detokenizes the sample's new token and applies the stop conditions."""
+        seq, params = sample.seq, sample.seq.params
         token = seq.output_token_ids[-1]
-        delta, stopped = request.stops.feed(request.detokenizer.step([token]))
+        delta, stopped = sample.stops.feed(sample.detokenizer.step([token]))
         finish = None
         if stopped:
             finish = SequenceStatus.FINISHED_STOPPED
-        elif not params.ignore_eos and token in self.tokenizer.stop_token_ids or token in params.stop_token_ids:
+        elif (not params.ignore_eos and token in self.tokenizer.stop_token_ids) or token in params.stop_token_ids:
             finish = SequenceStatus.FINISHED_STOPPED
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             finish = SequenceStatus.FINISHED_LENGTH
         if finish is not None and not stopped:
-            tail, stopped_at_end = request.stops.feed(request.detokenizer.flush())
-            delta += tail + ("" if stopped_at_end else request.stops.flush())
-        request.text += delta
+            tail, stopped_at_end = sample.stops.feed(sample.detokenizer.flush())
+            delta += tail + ("" if stopped_at_end else sample.stops.flush())
+        sample.text += delta
+        sample.delta_text += delta
+        sample.delta_token_ids.append(token)
         if finish is not None:
             seq.times.finished = now
             self.scheduler.finish(seq, finish)
-            del self._requests[seq.request_id]
-        return self._output(request, delta, [token])
 
-    def _output(self, request: _Request, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        seq = request.seq
-        status = seq.status
-        completion = CompletionOutput(
-            index=seq.index, text=request.text, token_ids=list(seq.output_token_ids),
-            finish_reason=status.value if status.finished else None,
-            logprobs=None if request.logprobs is None else list(request.logprobs),
-            delta_text=delta_text, delta_token_ids=delta_ids)
-        t = seq.times
-        metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, list(t.token_times), t.finished,
-                                 seq.num_preemptions, request.num_cached_prompt_tokens)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             status.finished, metrics)
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for sample in request.samples:
+            status = sample.seq.status
+            completions.append(CompletionOutput(
+                index=sample.seq.index, text=sample.text, token_ids=list(sample.seq.output_token_ids),
+                finish_reason=status.value if status.finished else None,
+                logprobs=None if sample.logprobs is None else list(sample.logprobs),
+                delta_text=sample.delta_text, delta_token_ids=list(sample.delta_token_ids)))
+        first = request.samples[0].seq
+        t = first.times
+        finished_times = [s.seq.times.finished for s in request.samples]
+        metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, list(t.token_times),
+                                 max(finished_times) if all(f is not None for f in finished_times) else None,
+                                 sum(s.seq.num_preemptions for s in request.samples), request.num_cached_prompt_tokens)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, metrics)
 
     # ------------------------------------------------------------------ engine metrics
 
     def stats(self) -> dict:
-        allocator = self.allocator.stats()
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "kv_usage": allocator["used"] / self.allocator.num_blocks,
-            "prefix_cache_hit_rate": allocator["hits"] / allocator["queries"] if allocator["queries"] else 0.0,
+            "kv_usage": self.allocator.num_used_blocks / self.allocator.num_blocks,
+            # of the prompt tokens admitted, the share the prefix cache served
+            "prefix_cache_hit_rate": self._cached_prompt_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             "preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self._prompt_tokens,
+            "generated_tokens": self._generated_tokens,
         }

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
+    n: int = 1                    # parallel samples of the prompt (they share its KV blocks)
     temperature: float = 1.0      # 0 = greedy
     top_k: int = 0                # 0 = off
     top_p: float = 1.0            # 1 = off
@@ -25,6 +26,7 @@ class SamplingParams:
             self.stop = [self.stop]
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
             (self.top_k >= 0, f"top_k must be non-negative (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),

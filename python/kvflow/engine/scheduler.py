@@ -25,6 +25,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): every running request needs a token each step")
 
 
 @dataclass
@@ -42,6 +45,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (source, destination) block pairs to copy before the step: copy-on-write of shared blocks
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,11 +77,18 @@ class Scheduler:
         if prompt_len >= self.config.max_model_len:
             raise ValueError(f"the prompt has {prompt_len} tokens; the model's context (max_model_len) is "
                              f"{self.config.max_model_len}, which leaves no room for an answer")
-        longest = min(prompt_len + max_tokens, self.config.max_model_len)
+        # The last token sampled is never fed back, so the cache holds at most one token less.
+        longest = min(prompt_len + max_tokens - 1, self.config.max_model_len)
         blocks = self._blocks_for(longest)
         if blocks > self.allocator.num_blocks:
             raise ValueError(f"a request of up to {longest} tokens needs {blocks} KV blocks; the pool has only "
                              f"{self.allocator.num_blocks} (raise the KV cache memory or lower max_tokens)")
+
+    def add_forked(self, seq: Sequence) -> None:
+        """Queues, first in line, a parallel sample that already shares its parent's blocks (it
+        brings its own block references; writes into shared blocks are copied first)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,18 +109,20 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # No admissions in a step that had to preempt: the pool is dry, and a preempted request
+        # readmitted at once would only thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             if not seq.block_table and self.config.enable_prefix_caching:
                 self._attach_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.allocator.can_allocate(self._missing_blocks(seq, n)):
+            if not self.allocator.can_allocate(self._missing_blocks(seq, n) + len(self._shared_blocks(seq, n))):
                 # Hand back the cached prefix too: a waiting request holds no blocks, so that the
                 # running ones can always finish.
                 self._release_blocks(seq)
                 seq.num_computed_tokens = 0
                 break
-            self._grow(seq, n)
+            self._grow(seq, n, out)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -119,14 +133,16 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of seq, preempting the latest admitted others if needed.
         False if seq had to be preempted itself."""
-        while not self.allocator.can_allocate(self._missing_blocks(seq, n)):
+        while not self.allocator.can_allocate(self._missing_blocks(seq, n) + len(self._shared_blocks(seq, n))):
             victim = self.running[-1]
+            dropped = set(victim.block_table)  # its copies this step, if any, are moot now
+            out.copies = [(src, dst) for src, dst in out.copies if dst not in dropped]
             self._preempt(victim)
             out.preempted.append(victim)
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
             if victim is seq:
                 return False
-        self._grow(seq, n)
+        self._grow(seq, n, out)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -183,7 +199,20 @@ class Scheduler:
     def _missing_blocks(self, seq: Sequence, n: int) -> int:
         return max(0, self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_table))
 
-    def _grow(self, seq: Sequence, n: int) -> None:
+    def _shared_blocks(self, seq: Sequence, n: int) -> list[int]:
+        """Indices in seq's block table of the blocks the next n tokens write into that other
+        sequences also hold (a parallel sample's prompt blocks): they are copied before writing."""
+        first = seq.num_computed_tokens // self.config.block_size
+        last = min((seq.num_computed_tokens + n - 1) // self.config.block_size, len(seq.block_table) - 1)
+        return [i for i in range(first, last + 1) if self.allocator.ref_count(seq.block_table[i]) > 1]
+
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        for i in self._shared_blocks(seq, n):
+            copy = self.allocator.allocate(1)[0]
+            out.copies.append((seq.block_table[i], copy))
+            self.allocator.free(seq.block_table[i])
+            seq.block_table[i] = copy
+            del seq.block_hashes[i:]  # the copy is not registered in the prefix cache
         missing = self._missing_blocks(seq, n)
         if missing:
             seq.block_table += self.allocator.allocate(missing)
