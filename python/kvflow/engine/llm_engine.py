@@ -127,6 +127,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self._requests:  # the scheduler guarantees a lone request progresses
+                raise RuntimeError(f"the scheduler made no progress with {len(self._requests)} requests pending")
             return []
         if plan.copies:
             copy_blocks([k for k, _ in self.runner.kv_caches], [v for _, v in self.runner.kv_caches],
@@ -198,17 +200,22 @@ class LLMEngine:
         """Detokenizes the sample's new token and applies the stop conditions."""
         seq, params = sample.seq, sample.seq.params
         token = seq.output_token_ids[-1]
-        delta, stopped = sample.stops.feed(sample.detokenizer.step([token]))
-        finish = None
-        if stopped:
+        if (not params.ignore_eos and token in self.tokenizer.stop_token_ids) or token in params.stop_token_ids:
+            # An end token ends the text before it, as in vLLM: its own text is not returned.
             finish = SequenceStatus.FINISHED_STOPPED
-        elif (not params.ignore_eos and token in self.tokenizer.stop_token_ids) or token in params.stop_token_ids:
-            finish = SequenceStatus.FINISHED_STOPPED
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            finish = SequenceStatus.FINISHED_LENGTH
-        if finish is not None and not stopped:
-            tail, stopped_at_end = sample.stops.feed(sample.detokenizer.flush())
-            delta += tail + ("" if stopped_at_end else sample.stops.flush())
+            delta, stopped = sample.stops.feed(sample.detokenizer.flush())
+            delta += "" if stopped else sample.stops.flush()
+        else:
+            delta, stopped = sample.stops.feed(sample.detokenizer.step([token]))
+            finish = None
+            if stopped:
+                finish = SequenceStatus.FINISHED_STOPPED
+            elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = SequenceStatus.FINISHED_LENGTH
+                tail, stopped_at_end = sample.stops.feed(sample.detokenizer.flush())
+                delta += tail + ("" if stopped_at_end else sample.stops.flush())
+                if stopped_at_end:
+                    finish = SequenceStatus.FINISHED_STOPPED
         sample.text += delta
         sample.delta_text += delta
         sample.delta_token_ids.append(token)
