@@ -63,3 +63,25 @@ def test_small_linear_rejects_bad_input():
         ops.small_linear(torch.randn(2, 10), w.t())
     with pytest.raises(RuntimeError, match="out has dtype"):
         ops.small_linear(torch.randn(2, 16), w, out=torch.empty(2, 10, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [9, 64, 300])
+def test_prepacked_linear_layer_matches_the_plain_one(rows):
+    from kvflow.layers import LMHead, Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(576, 960, bias=True, dtype=torch.bfloat16)
+    layer.weight.normal_(std=0.05)
+    layer.bias.normal_()
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    plain = layer(x)
+    assert layer.prepack(), "torch's CPU build has oneDNN: bf16 weights must pack"
+    assert layer.packed_weight is not None
+    torch.testing.assert_close(layer(x).float(), plain.float(), **TOLERANCES[torch.bfloat16])
+    torch.testing.assert_close(plain.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+                               **TOLERANCES[torch.bfloat16])
+    head = LMHead(1001, 576, dtype=torch.bfloat16)
+    head.weight.normal_(std=0.05)
+    logits = head(x)
+    assert head.prepack()
+    torch.testing.assert_close(head(x), logits, **TOLERANCES[torch.bfloat16])

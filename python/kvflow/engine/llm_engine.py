@@ -63,6 +63,8 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         loaded = load_model(config.model, config.torch_dtype, config.device)
+        if config.cpu_prepack_weights and config.device == "cpu" and hasattr(loaded.model, "prepack_linear_weights"):
+            loaded.model.prepack_linear_weights()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         context = loaded.config.max_position_embeddings

@@ -27,6 +27,7 @@ class LMHead(nn.Module):
                  tied_to: VocabEmbedding | None = None):
         super().__init__()
         self.tied_to = tied_to
+        self.packed_weight: torch.Tensor | None = None  # as Linear.packed_weight
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
@@ -37,6 +38,16 @@ class LMHead(nn.Module):
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
             torch.ops.kvflow.small_linear(logits, hidden, weight, None)
             return logits
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "").float()
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def prepack(self, batch_hint: int = 64) -> bool:
+        """As Linear.prepack, for the (possibly tied) LM head weight."""
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        packable = (weight.is_cpu and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packable else None
+        return packable
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -116,6 +116,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden [rows, hidden_size] (only the rows to sample) -> float32 logits [rows, vocab_size]."""
         return self.lm_head(hidden)
 
+    def prepack_linear_weights(self, batch_hint: int = 64) -> int:
+        """oneDNN-blocked copies of the projection weights for many-row products on the CPU (see
+        Linear.prepack); returns how many were packed."""
+        return sum(module.prepack(batch_hint) for module in self.modules() if isinstance(module, (Linear, LMHead)))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters
         (converting dtype); q/k/v and gate/up go into their slices of the merged weights. Raises
