@@ -250,6 +250,22 @@ def test_prefix_cache_hits_and_matches_uncached(llm, cached_llm):
     cached_llm.engine.allocator.check_invariants()
 
 
+def test_requests_sent_together_share_their_prefix(llm, cached_llm):
+    # Blocks are cached when scheduled, so requests admitted in the same step already share the
+    # system prompt: only the first computes it.
+    system = "Answer in the voice of a lighthouse keeper. " + SYSTEM_PROMPT
+    conversations = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+                     for q in LIBRARY_QUESTIONS[:4]]
+    ids = [chat_ids(llm, c) for c in conversations]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    expected = run_alone(llm, ids, params)
+    together = cached_llm.generate(ids, params, use_tqdm=False)
+    cached = [out.metrics.num_cached_prompt_tokens for out in together]
+    assert cached[0] == 0 and all(n >= 4 * BLOCK_SIZE for n in cached[1:]), cached
+    same_outputs(expected, together, "4 chats sent together, sharing a new system prompt")
+    assert cached_llm.engine.allocator.num_used_blocks == 0
+
+
 # ------------------------------------------------------------------------- seeded sampling
 
 

@@ -37,6 +37,20 @@ class Entry:
     samples: bool
 
 
+class RegisterRecorder:
+    """The allocator, noting which blocks register_block caches."""
+
+    def __init__(self, pool, registered: set):
+        self._pool, self._registered = pool, registered
+
+    def register_block(self, block_id, parent_hash, token_ids):
+        self._registered.add(block_id)
+        return self._pool.register_block(block_id, parent_hash, token_ids)
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
 class Sim:
     """A fake engine: schedule -> write KV and sample -> on_step_done -> finish at max_tokens."""
 
@@ -65,15 +79,24 @@ class Sim:
         self.check_state()
 
     def step(self) -> list[Entry]:
-        out = self.sched.schedule()
+        # Blocks registered by this very schedule: their content is written in this step, before
+        # any attention reads it, so a request admitted in the same step may share them.
+        self.cached_now = set()
+        self.sched.allocator = RegisterRecorder(self.pool, self.cached_now)
+        try:
+            out = self.sched.schedule()
+        finally:
+            self.sched.allocator = self.pool
         entries = [Entry(s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens, s.samples)
                    for s in out.scheduled]
         for victim in out.preempted:  # may be readmitted in the same step, from scratch
             self.next_start.pop(victim.request_id, None)
         self.check_plan(out, entries)
         self.queues_after_schedule = (len(self.sched.running), len(self.sched.waiting))
-        for s, e in zip(out.scheduled, entries):
-            self.write_and_read_kv(s.seq, e)
+        for s, e in zip(out.scheduled, entries):  # every layer writes the step's K/V first ...
+            self.write_kv(s.seq, e)
+        for s, e in zip(out.scheduled, entries):  # ... then attends
+            self.read_kv(s.seq, e)
         for s, e in zip(out.scheduled, entries):
             if e.samples:
                 s.seq.output_token_ids.append(fake_token(s.seq))
@@ -111,13 +134,17 @@ class Sim:
             if e.rid in self.next_start:  # continues where its last step stopped
                 assert e.start == self.next_start[e.rid], (e, self.next_start[e.rid])
 
-    def write_and_read_kv(self, seq, e):
+    def write_kv(self, seq, e):
         tokens = seq.token_ids
         for p in range(e.start, e.start + e.n):
             block = seq.block_table[p // BS]
-            assert self.pool.ref_count(block) == 1, f"{seq} writes into block {block}, shared with another"
-            assert not self.pool.is_cached(block), f"{seq} overwrites cached block {block}"
+            fresh = block in self.cached_now
+            assert self.pool.ref_count(block) == 1 or fresh, f"{seq} writes into block {block}, shared with another"
+            assert not self.pool.is_cached(block) or fresh, f"{seq} overwrites cached block {block}"
             self.kv[block, p % BS] = tokens[p]
+
+    def read_kv(self, seq, e):
+        tokens = seq.token_ids
         context = [self.kv.get((seq.block_table[p // BS], p % BS)) for p in range(e.start + e.n)]
         assert context == tokens[:e.start + e.n], f"{seq} attends to the wrong tokens"
 
@@ -340,6 +367,21 @@ def test_shared_prefix_is_not_recomputed():
     assert sim.pool.stats()["hits"] == 3
     sim.run()
     assert second.output_token_ids == expected_output(4)
+    assert sim.pool.num_used_blocks == 0
+
+
+def test_requests_admitted_in_one_step_share_their_prefix():
+    # The blocks the first request fills this step are cached when scheduled, so the second,
+    # admitted after it in the same step, reads them instead of computing them again (the fake
+    # engine writes every scheduled token before any request reads its context, as the model does).
+    sim = Sim(num_blocks=40, budget=64)
+    first = sim.add("first", SHARED + prompt(3, base=500), max_tokens=4)
+    second = sim.add("second", SHARED + prompt(3, base=600), max_tokens=4)
+    entries = {e.rid: e for e in sim.step()}
+    assert (entries["first"].start, entries["second"].start) == (0, 12)
+    assert second.block_table[:3] == first.block_table[:3]
+    sim.run()
+    assert first.output_token_ids == second.output_token_ids == expected_output(4)
     assert sim.pool.num_used_blocks == 0
 
 

@@ -149,7 +149,15 @@ class LLMEngine:
             batch.append(ScheduledRequest(seq.token_ids[start:start + s.num_new_tokens], start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
-        sampled = self.runner.execute(batch)
+        try:
+            sampled = self.runner.execute(batch)
+        except BaseException:
+            # The step's keys and values are half written, yet its full blocks are already in the
+            # prefix cache: end its requests and drop those entries before anyone reuses them.
+            for s in plan.scheduled:
+                self.abort_request(s.seq.request_id)
+            self.allocator.reset_prefix_cache()
+            raise
         now = time.perf_counter()
         advanced = []
         for s, token in zip(plan.scheduled, sampled):

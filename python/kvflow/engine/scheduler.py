@@ -105,6 +105,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, n, out):
                 break  # seq itself was preempted: it was the last running one
+            self._register_full_blocks(seq, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSequence(seq, n))
             scheduled_ids.add(id(seq))
             budget -= n
@@ -123,6 +124,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self._grow(seq, n, out)
+            self._register_full_blocks(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -175,12 +177,9 @@ class Scheduler:
 
     def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
         """Advance every scheduled sequence past the tokens just computed (the engine has already
-        appended any sampled token) and cache its newly full blocks."""
+        appended any sampled token)."""
         for s in scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
-            if self.config.enable_prefix_caching:
-                self._register_full_blocks(seq)
+            s.seq.num_computed_tokens += s.num_new_tokens
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Ends seq (stopped, length or aborted) and frees its blocks now."""
@@ -223,9 +222,14 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Caches the blocks that the first num_tokens of seq fill, as soon as they are scheduled:
+        a request admitted later in the same step may then share them, because every layer
+        writes the step's keys and values before any of its attention reads them."""
+        if not self.config.enable_prefix_caching:
+            return
         size = self.config.block_size
-        full = min(seq.num_computed_tokens, seq.num_tokens) // size
+        full = min(num_tokens, seq.num_tokens) // size
         tokens = None
         while len(seq.block_hashes) < full:
             b = len(seq.block_hashes)
