@@ -54,7 +54,9 @@ struct SmallLinearTileAvx512Bf16 {
     // the block being read is read once per row block and must stay there.
     const char* prefetch = reinterpret_cast<const char*>(w) + kPrefetchBlocks * kOut * in_features * 2;
     for (int64_t k = 0; k < in_features; k += 32, prefetch += kOut * 64) {
-      for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T1);
+      if constexpr (kOut > 1) {  // one output at a time is one sequential stream: the hardware's
+        for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T1);
+      }
       const __mmask32 mask = k < full ? ~__mmask32(0) : tail_mask;
       __m512bh wv[kOut];
       for (int o = 0; o < kOut; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * in_features + k);
