@@ -59,7 +59,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
             self.block_size, self.device, num_blocks=self.num_blocks)
-        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64).to(self.device)
+        input_ids = self._tensor([t for r in requests for t in r.token_ids], torch.int64)
         hidden = self.model(input_ids, metadata, self.kv_caches)
 
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
@@ -74,7 +74,7 @@ class ModelRunner:
         if len(rows) == hidden.shape[0]:
             sampled_hidden = hidden
         else:
-            sampled_hidden = hidden[torch.tensor(rows, device=self.device)]
+            sampled_hidden = hidden[self._tensor(rows, torch.int64)]
         logits = self.model.compute_logits(sampled_hidden)
         for i, sampled in zip(due, self._sample(logits, [requests[i] for i in due])):
             results[i] = sampled
@@ -85,18 +85,14 @@ class ModelRunner:
         raw_logits = logits.clone() if any(p.logprobs is not None for p in params) else logits
         if any(p.has_penalties for p in params):
             self._apply_penalties(logits, requests)
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device)
-
         token_ids = sample(
             logits,
-            column([p.temperature for p in params], torch.float32),
-            column([p.top_k for p in params], torch.int32),
-            column([p.top_p for p in params], torch.float32),
-            column([p.min_p for p in params], torch.float32),
-            column([r.seed for r in requests], torch.int64),
-            column([len(r.output_token_ids) for r in requests], torch.int64),
+            self._tensor([p.temperature for p in params], torch.float32),
+            self._tensor([p.top_k for p in params], torch.int32),
+            self._tensor([p.top_p for p in params], torch.float32),
+            self._tensor([p.min_p for p in params], torch.float32),
+            self._tensor([r.seed for r in requests], torch.int64),
+            self._tensor([len(r.output_token_ids) for r in requests], torch.int64),
         )
         tokens = token_ids.tolist()
         results = [SampledToken(t) for t in tokens]
@@ -116,14 +112,17 @@ class ModelRunner:
             for values in lists:
                 offsets.append(offsets[-1] + len(values))
             flat = [t for values in lists for t in values]
-            return (torch.tensor(flat, dtype=torch.int64).to(self.device),
-                    torch.tensor(offsets, dtype=torch.int64).to(self.device))
+            return self._tensor(flat, torch.int64), self._tensor(offsets, torch.int64)
 
         prompt, prompt_offsets = packed([r.prompt_token_ids for r in requests])
         output, output_offsets = packed([r.output_token_ids for r in requests])
 
         def column(name):
-            return torch.tensor([getattr(r.sampling, name) for r in requests], dtype=torch.float32).to(self.device)
+            return self._tensor([getattr(r.sampling, name) for r in requests], torch.float32)
 
         apply_penalties(logits, prompt, prompt_offsets, output, output_offsets, column("repetition_penalty"),
                         column("frequency_penalty"), column("presence_penalty"))
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor on the runner's device."""
+        return torch.tensor(values, dtype=dtype).to(self.device)

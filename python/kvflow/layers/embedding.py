@@ -3,6 +3,7 @@
 import torch
 from torch import nn
 
+from kvflow.layers.linear import onednn_packed
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
@@ -44,10 +45,8 @@ class LMHead(nn.Module):
 
     def prepack(self, batch_hint: int = 64) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        packable = (weight.is_cpu and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packable else None
-        return packable
+        self.packed_weight = onednn_packed(self.tied_to.weight if self.tied_to is not None else self.weight,
+                                           batch_hint)
+        return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

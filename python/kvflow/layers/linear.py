@@ -36,18 +36,10 @@ class Linear(nn.Module):
         which costs a third of a 64-row product of SmolLM2's narrow projections. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where oneDNN
         cannot take it."""
-        packable = (self.weight.is_cpu and self.weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint) if packable else None
-        return packable
+        self.packed_weight = onednn_packed(self.weight, batch_hint)
+        return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        _copy_checked(self.weight, weight, "weight")
-        if bias is not None:
-            if self.bias is None:
-                raise ValueError(f"checkpoint has a bias for a {self.in_features}->{self.out_features} linear without one")
-            _copy_checked(self.bias, bias, "bias")
 
 
 class MergedLinear(Linear):
@@ -63,14 +55,23 @@ class MergedLinear(Linear):
 
     def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         rows = slice(self.offsets[part], self.offsets[part + 1])
-        _copy_checked(self.weight[rows], weight, f"part {part} weight")
+        copy_checked(self.weight[rows], weight, f"part {part} weight")
         if bias is not None:
             if self.bias is None:
                 raise ValueError(f"checkpoint has a bias for part {part} of a merged linear without one")
-            _copy_checked(self.bias[rows], bias, f"part {part} bias")
+            copy_checked(self.bias[rows], bias, f"part {part} bias")
 
 
-def _copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> None:
+def onednn_packed(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """weight [out, in] in oneDNN's blocked layout for torch.ops.mkldnn._linear_pointwise, or None
+    where oneDNN cannot take it (not a CPU bfloat16 weight, or a torch without oneDNN)."""
+    packable = (weight.is_cpu and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if packable else None
+
+
+def copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """destination.copy_(source), or a ValueError naming what when their shapes differ."""
     if tuple(source.shape) != tuple(destination.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(source.shape)} does not match the model's "
                          f"{tuple(destination.shape)}")

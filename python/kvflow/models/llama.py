@@ -10,6 +10,7 @@ from torch import nn
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.layers import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul,
                            VocabEmbedding)
+from kvflow.layers.linear import copy_checked
 from kvflow.models.config import ModelConfig
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
@@ -149,10 +150,7 @@ class LlamaForCausalLM(nn.Module):
                     parameter = getattr(self._module(modules, module_name, name), kind, None)
                     if not isinstance(parameter, nn.Parameter):
                         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-                    if tuple(tensor.shape) != tuple(parameter.shape):
-                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                         f"the model expects {tuple(parameter.shape)}")
-                    parameter.copy_(tensor)
+                    copy_checked(parameter, tensor, f"checkpoint tensor {name!r}")
                     loaded.add(name)
         missing = []
         for name in sorted(expected):
