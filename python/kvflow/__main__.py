@@ -1,4 +1,4 @@
-"""python -m kvflow {generate, chat} ..."""
+"""python -m kvflow {generate, chat, serve, bench} ..."""
 
 import sys
 

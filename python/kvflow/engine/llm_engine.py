@@ -82,6 +82,7 @@ class LLMEngine:
         self._prompt_tokens = 0          # admitted so far
         self._cached_prompt_tokens = 0   # of which the prefix cache served
         self._generated_tokens = 0
+        self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
@@ -113,13 +114,20 @@ class LLMEngine:
         self.scheduler.add(samples[0].seq)
         self._requests[request_id] = _Request(request_id, text, ids, samples, samples[1:])
 
-    def abort_request(self, request_id: str) -> None:
-        """Ends a request now and frees its blocks; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now and frees its blocks. Returns its final output (the unfinished
+        samples with finish_reason "abort"); None for an unknown or finished id."""
         request = self._requests.pop(request_id, None)
-        if request is not None:
-            for sample in request.samples:
-                if not sample.seq.status.finished:
-                    self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        self._finished_requests["abort"] += 1
+        now = time.perf_counter()
+        for sample in request.samples:
+            if not sample.seq.status.finished:
+                sample.seq.times.finished = now
+                self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
+            sample.delta_text, sample.delta_token_ids = "", []
+        return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -189,6 +197,7 @@ class LLMEngine:
                 sample.delta_text, sample.delta_token_ids = "", []
             if request.finished:
                 del self._requests[request.request_id]
+                self._finished_requests[request.samples[0].seq.status.value] += 1
         return outputs
 
     def _fork(self, request: _Request) -> None:
@@ -263,4 +272,6 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self._prompt_tokens,
             "generated_tokens": self._generated_tokens,
+            "cached_prompt_tokens": self._cached_prompt_tokens,
+            "finished_requests": dict(self._finished_requests),
         }

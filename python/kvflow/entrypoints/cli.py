@@ -69,6 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     add_engine_arguments(chat)
     add_sampling_arguments(chat)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to bind (loopback unless told otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every /v1 route (or set KVFLOW_API_KEY)")
+    serve.add_argument("--max-queue-len", type=int, default=None,
+                       help="waiting requests beyond which new ones get 503 (default: unbounded)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds requests in flight may take to finish at shutdown before they are aborted")
+    serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(serve)
+
+    from kvflow.bench.cli import add_bench_arguments
+
+    add_bench_arguments(commands)
     return parser
 
 
@@ -82,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cli_commands.generate(args)
+        if args.command == "bench":
+            from kvflow.bench.cli import run_bench
+
+            return run_bench(args)
+        if args.command == "serve":
+            from kvflow.entrypoints.openai.api_server import serve
+
+            return serve(args)
         return cli_commands.chat(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -14,16 +14,20 @@ def _log(args, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def build_engine_config(args) -> EngineConfig:
+    """The EngineConfig from the shared engine arguments (cli.add_engine_arguments)."""
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+                        seed=args.seed if args.seed is not None else 0)
+
+
 def _engine(args) -> LLMEngine:
     if not getattr(args, "quiet", False):
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     _log(args, "loading model ...")
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                          enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
-                          seed=args.seed if args.seed is not None else 0)
-    return LLMEngine(config)
+    return LLMEngine(build_engine_config(args))
 
 
 def _sampling_params(args, index: int = 0) -> SamplingParams:

@@ -1,0 +1,189 @@
+"""`python -m kvflow serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streaming as server-sent events
+or not), GET /v1/models, GET /health, GET /metrics (Prometheus). With an API key every /v1 route
+wants `Authorization: Bearer KEY`. Errors come back as OpenAI error bodies, and a bad request
+never disturbs the others. On SIGTERM or Ctrl-C the server stops admitting, lets requests in
+flight finish for --shutdown-timeout seconds, aborts the rest, and exits 0."""
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.metrics import EngineMetrics
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvflow.entrypoints.openai.serving import OpenAIServing, QueueFullError
+
+logger = logging.getLogger("kvflow")
+
+API_KEY_ENV = "KVFLOW_API_KEY"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_response(status: int, message: str, type_: str, param: str | None = None,
+                    code: str | int | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code if code is not None else status), status_code=status)
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for item in error.errors():
+        location = [str(p) for p in item.get("loc", ()) if p != "body"]
+        if item.get("type") == "json_invalid":
+            return "the request body is not valid JSON", None
+        param = param or (".".join(location) or None)
+        parts.append(f"{'.'.join(location) or 'body'}: {item.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              max_queue_len: int | None = None) -> FastAPI:
+    """The FastAPI application serving `engine` under `model_name`."""
+    metrics = EngineMetrics(engine.stats, model_name)
+    async_engine = AsyncLLMEngine(engine, on_finished=metrics.observe_finished)
+    serving = OpenAIServing(async_engine, model_name, max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await async_engine.abort_all()
+        await async_engine.shutdown()
+        logger.info("kvflow server stopped; %d KV blocks in use", engine.allocator.num_used_blocks)
+
+    app = FastAPI(title="kvflow", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.draining = False
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
+                           code="invalid_api_key")
+
+    async def check_accepting(request: Request) -> None:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{model_name}`",
+                           "invalid_request_error", "model", "model_not_found")
+
+    async def respond(handler, body):
+        check_model(body.model)
+        try:
+            result = await handler(body)
+        except QueueFullError as error:
+            raise APIError(503, str(error), "service_unavailable") from error
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error") from error
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvflow", "max_model_len": engine.max_model_len}]}
+
+    @v1.post("/completions", dependencies=[Depends(check_accepting)])
+    async def completions(body: CompletionRequest):
+        return await respond(serving.completions, body)
+
+    @v1.post("/chat/completions", dependencies=[Depends(check_accepting)])
+    async def chat_completions(body: ChatCompletionRequest):
+        return await respond(serving.chat, body)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if app.state.draining else 200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return _error_response(error.status, error.message, error.type, error.param, error.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        message, param = _validation_message(error)
+        return _error_response(400, message, "invalid_request_error", param)
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """At the first SIGTERM/SIGINT: the app stops admitting (new requests get 503), requests in
+    flight get `drain_seconds` to finish, then the rest are aborted, so that their streams still
+    end well-formed (finish_reason "abort", then [DONE]). Exits 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_seconds: float):
+        super().__init__(config)
+        self._app = app
+        self._drain_seconds = drain_seconds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self._app.state.draining
+        self._app.state.draining = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # uvicorn would re-raise it after shutdown: exit 0 instead
+        if first and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def abort_late_requests():
+            await asyncio.sleep(self._drain_seconds)
+            await self._app.state.async_engine.abort_all()
+
+        self._drain_task = asyncio.ensure_future(abort_late_requests())
+
+
+def serve(args) -> int:
+    from kvflow.entrypoints.cli_commands import build_engine_config
+    from kvflow.loader.model_loader import DEFAULT_MODEL
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    engine = LLMEngine(build_engine_config(args))
+    model_name = args.served_model_name or args.model or DEFAULT_MODEL
+    app = build_app(engine, model_name, api_key, args.max_queue_len)
+    # uvicorn's own deadline comes after ours, by which time every stream has ended.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _GracefulServer(config, app, args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d%s", model_name, args.host, args.port,
+                " (API key required)" if api_key else "")
+    server.run()
+    return 0

@@ -1,0 +1,282 @@
+"""Completions and chat completions: an OpenAI request becomes one engine request per prompt, and
+the engine's step outputs become either one response body or a stream of server-sent events."""
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.engine.outputs import CompletionOutput, RequestOutput
+from kvflow.engine.sampling_params import SamplingParams
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at --max-queue-len: the server answers 503."""
+
+
+@dataclass
+class _Choice:
+    """What has been sent of one choice so far."""
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_queue_len: int | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.max_queue_len = max_queue_len
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+
+    # ------------------------------------------------------------------ entry points
+
+    async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
+        request.check_supported()
+        prompts = [self._prompt_ids(p) for p in request.prompts()]
+        params = request.sampling_params(request.max_tokens, request.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if request.echo else None
+        streams = await self._start(request_id, prompts, params)
+        if request.stream:
+            return self._stream_completion(request_id, request, prompts, streams, echo)
+        outputs = await self._collect(streams)
+        choices = []
+        for p, output in enumerate(outputs):
+            for completion in output.outputs:
+                text = (echo[p] if echo else "") + completion.text
+                choices.append({"index": p * request.n + completion.index, "text": text,
+                                "logprobs": self._completion_logprobs(completion.token_ids, completion.logprobs,
+                                                                      params.logprobs, len(echo[p]) if echo else 0),
+                                "finish_reason": completion.finish_reason})
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage(prompts, outputs)}
+
+    async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        text = self.tokenizer.apply_chat_template([m.as_template_message() for m in request.messages],
+                                                  add_generation_prompt=request.add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = request.max_completion_tokens or request.max_tokens or max(self.max_model_len - len(ids), 1)
+        params = request.sampling_params(max_tokens, request.requested_logprobs())
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._start(request_id, [ids], params)
+        if request.stream:
+            return self._stream_chat(request_id, request, [ids], streams)
+        outputs = await self._collect(streams)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs),
+                    "finish_reason": c.finish_reason} for c in outputs[0].outputs]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage([ids], outputs)}
+
+    # ------------------------------------------------------------------ engine requests
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list:
+        """Adds one engine request per prompt (all or none) and returns their output streams."""
+        if self.max_queue_len is not None and self.engine.engine.stats()["waiting"] >= self.max_queue_len:
+            raise QueueFullError(f"the server's waiting queue is full ({self.max_queue_len} requests); retry later")
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
+        except BaseException:
+            for i in range(len(streams)):
+                await self.engine.abort(f"{request_id}-{i}")
+            raise
+        return streams
+
+    @staticmethod
+    def _abort_streams(streams: list) -> None:
+        """Ends the engine requests behind `streams` that are still running (a no-op for the
+        finished ones), without awaiting: this runs in cleanup that may itself be cancelled."""
+        for stream in streams:
+            stream.abort_nowait()
+
+    async def _collect(self, streams: list) -> list[RequestOutput]:
+        """The final output of every stream. Cancelling (the client went away) aborts them all."""
+        async def last(stream):
+            final = None
+            async for output in stream:
+                final = output
+            return final
+
+        tasks = [asyncio.ensure_future(last(s)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._abort_streams(streams)
+
+    @staticmethod
+    async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every stream as they come; closing it aborts the rest."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index, stream):
+            try:
+                async for output in stream:
+                    await queue.put((index, output))
+                await queue.put(done)
+            except BaseException as error:
+                await queue.put(error)
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            OpenAIServing._abort_streams(streams)
+
+    # ------------------------------------------------------------------ streams
+
+    async def _stream_completion(self, request_id: str, request: CompletionRequest, prompts: list[list[int]],
+                                 streams: list, echo: list[str] | None) -> AsyncIterator[str]:
+        created, n = int(time.time()), request.n
+        sent = {(p, i): _Choice() for p in range(len(prompts)) for i in range(n)}
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(choices, usage=None):
+            return sse({"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": choices, "usage": usage})
+
+        try:
+            if echo:
+                for p, text in enumerate(echo):
+                    yield chunk([{"index": p * n + i, "text": text, "logprobs": None, "finish_reason": None}
+                                 for i in range(n)])
+            async for p, output in self._merged(streams):
+                finals[p] = output
+                for completion in output.outputs:
+                    state = sent[(p, completion.index)]
+                    delta = self._delta(state, completion)
+                    if delta is None:
+                        continue
+                    text, token_ids, logprobs = delta
+                    offset = len(echo[p]) if echo else 0
+                    yield chunk([{"index": p * n + completion.index, "text": text,
+                                  "logprobs": self._completion_logprobs(token_ids, logprobs, request.logprobs,
+                                                                        offset + len(state.text) - len(text)),
+                                  "finish_reason": state.finish_reason}])
+            if request.stream_options and request.stream_options.include_usage:
+                yield chunk([], self._usage(prompts, [finals[p] for p in range(len(prompts))]))
+            yield sse("[DONE]")
+        except Exception as error:  # a failed engine step: tell the client in the stream
+            yield sse({"error": {"message": str(error), "type": "internal_error", "param": None, "code": 500}})
+            yield sse("[DONE]")
+
+    async def _stream_chat(self, request_id: str, request: ChatCompletionRequest, prompts: list[list[int]],
+                           streams: list) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent = {i: _Choice() for i in range(request.n)}
+        num_top = request.requested_logprobs()
+        final = None
+
+        def chunk(choices, usage=None):
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.model_name, "choices": choices, "usage": usage})
+
+        try:
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(request.n)])
+            async for _, output in self._merged(streams):
+                final = output
+                for completion in output.outputs:
+                    state = sent[completion.index]
+                    delta = self._delta(state, completion)
+                    if delta is None:
+                        continue
+                    text, token_ids, logprobs = delta
+                    yield chunk([{"index": completion.index, "delta": {"content": text} if text else {},
+                                  "logprobs": self._chat_logprobs(token_ids, logprobs, num_top),
+                                  "finish_reason": state.finish_reason}])
+            if request.stream_options and request.stream_options.include_usage:
+                yield chunk([], self._usage(prompts, [final]))
+            yield sse("[DONE]")
+        except Exception as error:
+            yield sse({"error": {"message": str(error), "type": "internal_error", "param": None, "code": 500}})
+            yield sse("[DONE]")
+
+    @staticmethod
+    def _delta(state: _Choice, completion: CompletionOutput):
+        """What this output adds to the choice since it was last sent: (text, token ids, logprobs),
+        or None when nothing changed."""
+        token_ids = completion.token_ids[state.num_tokens:]
+        logprobs = completion.logprobs[state.num_tokens:] if completion.logprobs is not None else None
+        text = completion.text[len(state.text):]
+        if not token_ids and not text and completion.finish_reason == state.finish_reason:
+            return None
+        state.text, state.num_tokens, state.finish_reason = completion.text, len(completion.token_ids), \
+            completion.finish_reason
+        return text, token_ids, logprobs
+
+    # ------------------------------------------------------------------ response pieces
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict:
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _top(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+        return sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                             num_top: int | None, text_offset: int) -> dict | None:
+        if logprobs is None or num_top is None:
+            return None
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in zip(token_ids, logprobs):
+            token = self._token_text(token_id)
+            result["tokens"].append(token)
+            result["token_logprobs"].append(entry[token_id])
+            result["top_logprobs"].append({self._token_text(t): lp for t, lp in self._top(entry, num_top)})
+            result["text_offset"].append(text_offset)
+            text_offset += len(token)
+        return result
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                       num_top: int | None) -> dict | None:
+        if logprobs is None or num_top is None:
+            return None
+
+        def item(token_id, logprob):
+            token = self._token_text(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**item(token_id, entry[token_id]),
+                             "top_logprobs": [item(t, lp) for t, lp in self._top(entry, num_top)]}
+                            for token_id, entry in zip(token_ids, logprobs)]}
