@@ -87,3 +87,10 @@ def test_rejected_request_fails_alone(llm):
 
     last = asyncio.run(run())
     assert last.finished and len(last.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_from_config_raises_the_load_error_in_the_caller(tmp_path):
+    from kvflow.engine.config import EngineConfig
+
+    with pytest.raises(FileNotFoundError, match="neither a GGUF file"):
+        AsyncLLMEngine.from_config(EngineConfig(model=str(tmp_path / "missing.gguf")))

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 openai = pytest.importorskip("openai")
 
 from kvflow import LLM, SamplingParams  # noqa: E402
+from kvflow.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from kvflow.entrypoints.openai.api_server import build_app  # noqa: E402
 
 API_KEY = "test-key"
@@ -57,7 +58,7 @@ def served():
     llm = LLM(dtype="float32", max_num_seqs=64, max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     offline = {p: o.outputs[0] for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy, use_tqdm=False))}
-    app = build_app(llm.engine, MODEL, api_key=API_KEY)
+    app = build_app(AsyncLLMEngine(llm.engine), MODEL, api_key=API_KEY)
     with running_server(app) as url:
         yield url, llm.engine, offline
 
@@ -313,7 +314,7 @@ def test_metrics_count_what_was_sent(served, client):
 def test_full_queue_answers_503():
     llm = LLM(dtype="float32", max_num_seqs=1, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN,
               kv_cache_memory=16 << 20)
-    app = build_app(llm.engine, MODEL, max_queue_len=1)
+    app = build_app(AsyncLLMEngine(llm.engine), MODEL, max_queue_len=1)
     long = {"prompt": PROMPTS[0], "max_tokens": 300, "ignore_eos": True}
 
     async def run(url):

@@ -15,6 +15,26 @@ def add_bench_arguments(subparsers) -> None:
     serve = bench_commands.add_parser(
         "serve", help="load an OpenAI-compatible server with streamed requests and report latency and throughput")
     add_serve_arguments(serve)
+    experiments = bench_commands.add_parser(
+        "experiments", help="the four latency experiments (TTFT vs prompt, E2E vs output, concurrency, HF vs kvflow) "
+                            "with a markdown report and plots")
+    add_experiments_arguments(experiments)
+
+
+def add_experiments_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvflow.entrypoints.cli import add_engine_arguments
+
+    parser.add_argument("--out", required=True, help="directory for report.md, results.json and the PNG plots")
+    parser.add_argument("--base-url", default=None,
+                        help="benchmark this running server instead of starting a kvflow server with the engine flags")
+    parser.add_argument("--api-key", default=None, help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    parser.add_argument("--tokenizer", default=None, help="builds and counts the prompts (default: --model's)")
+    parser.add_argument("--slo", default="ttft=1s,tpot=50ms", help="the SLO of experiment 3's goodput")
+    parser.add_argument("--quick", action="store_true", help="a few small requests per experiment (a smoke run)")
+    parser.add_argument("--no-hf", action="store_true", help="leave out Hugging Face transformers in experiment 4")
+    parser.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="Hugging Face's dtype in experiment 4 (float32 is its faster path on CPUs)")
+    add_engine_arguments(parser)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +77,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "serve":
         return run_serve_benchmark(args)
+    if args.bench_command == "experiments":
+        from kvflow.bench.experiments import run_experiments
+
+        return run_experiments(args)
     raise ValueError(f"unknown bench command {args.bench_command!r}")
 
 

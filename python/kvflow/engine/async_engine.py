@@ -1,16 +1,23 @@
-"""The online engine: requests arrive at any time from many asyncio tasks, each gets an async
-stream of its outputs, and one background task steps the engine while there is work.
+"""The online engine: requests arrive at any time from many asyncio tasks, and each gets an async
+stream of its outputs.
 
-Every call into LLMEngine (add, abort, step) runs on one worker thread, so they are serialized
-without locks and the event loop stays free while a model step runs."""
+One engine thread owns the LLMEngine. It runs the calls the event loop sends it (add, abort,
+stats) between steps, and steps without pause while any request is unfinished, handing each
+step's outputs to the event loop. So calls are serialized without locks, the event loop stays
+free while a model step runs, and the next step never waits for the event loop to finish
+streaming the last one's tokens to the clients."""
 
 import asyncio
+import queue
+import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
+from kvflow.engine.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
+
+_STOP = object()
 
 
 class RequestStream:
@@ -29,14 +36,43 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine: LLMEngine | None, on_finished: Callable[[RequestOutput], None] | None = None):
         """on_finished: called (on the event loop) with each request's finished output."""
         self.engine = engine
         self.on_finished = on_finished
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-engine")
         self._streams: dict[str, asyncio.Queue] = {}
-        self._has_work: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._calls: queue.Queue = queue.Queue()  # (function, args, future or None), or _STOP
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig,
+                    on_finished: Callable[[RequestOutput], None] | None = None) -> "AsyncLLMEngine":
+        """Loads the model on the engine thread, which then runs every model step: torch's
+        parallel regions must all run on one thread, because once two threads own OpenMP thread
+        pools, libgomp stops spinning its idle workers and every small parallel op pays a futex
+        wake-up (measured here: up to 2x slower decode on two cores)."""
+        self = cls(None, on_finished)
+        loaded = threading.Event()
+        errors: list[BaseException] = []
+
+        def load_then_run():
+            try:
+                self.engine = LLMEngine(config)
+            except BaseException as error:
+                errors.append(error)
+                return
+            finally:
+                loaded.set()
+            self._run()
+
+        self._thread = threading.Thread(target=load_then_run, name="kvflow-engine", daemon=True)
+        self._thread.start()
+        loaded.wait()
+        if errors:
+            self._thread = None
+            raise errors[0]
+        return self
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -51,25 +87,23 @@ class AsyncLLMEngine:
                           params: SamplingParams | None = None) -> RequestStream:
         """Queues the request now (ValueError if the engine rejects it) and returns the stream of
         its outputs. Closing the stream before its end aborts the request; a stream never
-        iterated must be ended with abort()."""
-        self._ensure_loop()
+        iterated must be ended with abort() or abort_nowait()."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = outputs
         try:
             await self._call(self.engine.add_request, request_id, prompt, params)
         except BaseException:
             del self._streams[request_id]
             raise
-        self._has_work.set()
-        return RequestStream(self, request_id, self._outputs(request_id, queue))
+        return RequestStream(self, request_id, self._outputs(request_id, outputs))
 
-    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                output = await queue.get()
+                output = await outputs.get()
                 if isinstance(output, BaseException):
                     raise output
                 finished = output.finished
@@ -91,7 +125,7 @@ class AsyncLLMEngine:
         """Ends a request without waiting: for cleanup code that may itself be cancelled (a
         server's cancel scope cancels every later await). A finished or unknown id is ignored."""
         self._streams.pop(request_id, None)
-        self._worker.submit(self.engine.abort_request, request_id)
+        self._calls.put((self.engine.abort_request, (request_id,), None))
 
     async def abort_all(self) -> None:
         """Ends every request in flight (shutdown)."""
@@ -102,40 +136,82 @@ class AsyncLLMEngine:
         return await self._call(self.engine.stats)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            self._loop_task = None
-        self._worker.shutdown(wait=True)
+        """Stops the engine thread (after the call it is running)."""
+        if self._thread is not None:
+            self._calls.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            self._thread = None
+        self._loop = None
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._has_work = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+    # ------------------------------------------------------------------ the engine thread
 
-    async def _call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+    async def _call(self, function, *args):
+        """Runs function(*args) on the engine thread between steps and returns its result."""
+        self._ensure_started()
+        future = self._loop.create_future()
+        self._calls.put((function, args, future))
+        return await future
 
-    async def _step_loop(self) -> None:
+    def _ensure_started(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
         while True:
-            await self._has_work.wait()
+            # Wait for a call only when there is nothing to step.
             try:
-                outputs = await self._call(self.engine.step)
-            except Exception as error:  # a failed step fails every request it held, not the server
-                for request_id in list(self._streams):
-                    await self._call(self.engine.abort_request, request_id)
-                    stream = self._streams.pop(request_id, None)
-                    if stream is not None:
-                        stream.put_nowait(error)
-                continue
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put_nowait(output)
-                if output.finished and self.on_finished is not None:
-                    self.on_finished(output)
-            if not await self._call(self.engine.has_unfinished_requests):
-                self._has_work.clear()
+                item = self._calls.get(block=not self.engine.has_unfinished_requests())
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    return
+                self._run_call(*item)
+                try:
+                    item = self._calls.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _run_call(self, function, args, future) -> None:
+        try:
+            result, error = function(*args), None
+        except Exception as exception:
+            result, error = None, exception
+        if future is not None:
+            self._loop.call_soon_threadsafe(self._resolve, future, result, error)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, result, error) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a failed step fails every request in flight, not the server
+            for request_id in self.engine.unfinished_request_ids():
+                self.engine.abort_request(request_id)
+            self._loop.call_soon_threadsafe(self._fail_streams, error)
+            return
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+            if output.finished and self.on_finished is not None:
+                self.on_finished(output)
+
+    def _fail_streams(self, error: Exception) -> None:
+        for request_id in list(self._streams):
+            self._streams.pop(request_id).put_nowait(error)

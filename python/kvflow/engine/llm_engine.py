@@ -132,6 +132,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:

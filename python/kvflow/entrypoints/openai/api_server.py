@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.metrics import EngineMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvflow.entrypoints.openai.serving import OpenAIServing, QueueFullError
@@ -52,11 +51,12 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None) -> FastAPI:
-    """The FastAPI application serving `engine` under `model_name`."""
+    """The FastAPI application serving `async_engine` under `model_name`."""
+    engine = async_engine.engine
     metrics = EngineMetrics(engine.stats, model_name)
-    async_engine = AsyncLLMEngine(engine, on_finished=metrics.observe_finished)
+    async_engine.on_finished = metrics.observe_finished
     serving = OpenAIServing(async_engine, model_name, max_queue_len)
 
     @asynccontextmanager
@@ -176,9 +176,9 @@ def serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    engine = LLMEngine(build_engine_config(args))
+    async_engine = AsyncLLMEngine.from_config(build_engine_config(args))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    app = build_app(engine, model_name, api_key, args.max_queue_len)
+    app = build_app(async_engine, model_name, api_key, args.max_queue_len)
     # uvicorn's own deadline comes after ours, by which time every stream has ended.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
