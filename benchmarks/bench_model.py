@@ -20,9 +20,7 @@ import time
 
 import torch
 
-from kvflow.engine.model_runner import ModelRunner
-from kvflow.engine.sampling_params import SamplingParams
-from kvflow.engine.single_sequence import GenerationTimings, generate_tokens
+from kvflow import LLM, SamplingParams
 from kvflow.loader import load_model, resolve_model_path
 from timing import read_bandwidth
 
@@ -37,21 +35,19 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def kvflow_run(model: str | None, dtype: torch.dtype, prompt_len: int, new_tokens: int, repeat: int) -> dict:
-    loaded = load_model(model, dtype)
-    runner = ModelRunner(loaded.model, loaded.config, num_blocks=-(-(prompt_len + new_tokens) // 16) + 1)
-    ids = prompt_ids(loaded.tokenizer, prompt_len)
+def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, repeat: int) -> dict:
+    """One request at a time through the engine (prefix caching off, so every run prefills)."""
+    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    ids = prompt_ids(llm.tokenizer, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     ttfts, tpots = [], []
     for i in range(repeat + 1):
-        timings = GenerationTimings()
-        for _ in generate_tokens(runner, ids, params, timings=timings):
-            pass
+        metrics = llm.generate([ids], params, use_tqdm=False)[0].metrics
         if i:  # the first run warms up
-            ttfts.append(timings.ttft)
-            tpots.append(timings.tpot)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    return {"load": loaded.load_seconds, "ttft": statistics.median(ttfts), "tpot": statistics.median(tpots),
+            ttfts.append(metrics.ttft)
+            tpots.append(metrics.tpot)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    return {"load": llm.engine.load_seconds, "ttft": statistics.median(ttfts), "tpot": statistics.median(tpots),
             "weight_bytes": weight_bytes}
 
 
@@ -98,8 +94,7 @@ def main():
     bandwidth = read_bandwidth("cpu")
     results = {}
     for name in args.kvflow_dtypes:
-        results[f"kvflow {name}"] = kvflow_run(args.model, DTYPES[name], args.prompt_tokens, args.new_tokens,
-                                               args.repeat)
+        results[f"kvflow {name}"] = kvflow_run(args.model, name, args.prompt_tokens, args.new_tokens, args.repeat)
         print(f"kvflow {name}: {results[f'kvflow {name}']}", flush=True)
     tokenizer = load_model(args.model, torch.bfloat16).tokenizer
     ids = prompt_ids(tokenizer, args.prompt_tokens)

@@ -20,9 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
-from kvflow.engine.model_runner import ModelRunner
+from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.sampling_params import SamplingParams
-from kvflow.engine.single_sequence import generate_tokens
 from kvflow.loader import load_model
 from kvflow.loader.gguf_file import SUPPORTED_TENSOR_TYPES, _dequantize, _unpermute_rows, open_gguf
 
@@ -179,9 +178,18 @@ def kvflow_prompt_logits(lm, ids: list[int]) -> torch.Tensor:
 
 
 def kvflow_greedy(lm, ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
+    """The model alone, without the scheduler: the prompt in one step, then one token a step."""
     runner = ModelRunner(lm.model, lm.config, num_blocks=NUM_BLOCKS)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [step.token_id for step in generate_tokens(runner, ids, params)]
+    block_table = list(range(NUM_BLOCKS))
+    output, new_tokens, computed = [], list(ids), 0
+    while len(output) < max_tokens:
+        step = ScheduledRequest(new_tokens, computed, block_table, params, prompt_token_ids=ids,
+                                output_token_ids=output)
+        output.append(runner.execute([step])[0].token_id)
+        computed += len(new_tokens)
+        new_tokens = output[-1:]
+    return output
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -504,10 +512,11 @@ def test_checkpoint_missing_a_tensor(safetensors_dir, tmp_path):
         load_model(str(directory), torch.float32)
 
 
-def test_prompt_longer_than_the_context(kv_fp32):
+def test_a_step_longer_than_the_context_is_refused_before_running(kv_fp32):
     context = kv_fp32.config.max_position_embeddings
     runner = ModelRunner(kv_fp32.model, kv_fp32.config, num_blocks=NUM_BLOCKS)
     params = SamplingParams(temperature=0, max_tokens=8)
-    for length in (context, context + 100):
-        with pytest.raises(ValueError, match=rf"the prompt has {length} tokens; the model's context is {context}"):
-            list(generate_tokens(runner, [1] * length, params))
+    for length in (context + 1, context + 100):
+        step = ScheduledRequest([1] * length, 0, list(range(NUM_BLOCKS)), params)
+        with pytest.raises(ValueError, match=rf"a request of {length} tokens exceeds the model's context of {context}"):
+            runner.execute([step])

@@ -67,6 +67,7 @@ class LLMEngine:
             loaded.model.prepack_linear_weights()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.load_seconds = loaded.load_seconds
         context = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or context, context)
         num_blocks = config.kv_cache_memory // kv_cache_bytes_per_block(loaded.config, config.block_size,
