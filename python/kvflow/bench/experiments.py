@@ -248,6 +248,10 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
 
 
+def _triple(summary: dict, metric: str) -> str:
+    return "/".join(f"{summary[f'p{p}_{metric}_ms']:.1f}" for p in (50, 95, 99))
+
+
 def write_report(out: Path, results: dict) -> Path:
     lines = ["# kvflow latency experiments", "",
              f"{results['date']}; model `{results['model']}`, {results['dtype']}, server {results['server']}; "
@@ -279,11 +283,11 @@ def write_report(out: Path, results: dict) -> Path:
               f"(per-run ranges below), {results['plan']['concurrency_output_len']} output tokens, 2 x concurrency "
               f"requests (at least 8) at once, the client holding at most `concurrency` in flight. "
               f"Goodput: requests per second meeting {slo}.", ""]
-    lines += _table(["concurrency", "prompt tokens min/mean/max", "output tokens/s", "TPOT P50 ms", "TPOT P99 ms",
-                     "TTFT P50 ms", "TTFT P99 ms", "goodput req/s"],
+    lines += _table(["concurrency", "prompt tokens min/mean/max", "output tokens/s", "TPOT P50/P95/P99 ms",
+                     "TTFT P50/P95/P99 ms", "E2E P50/P99 ms", "goodput req/s"],
                     [[r["concurrency"], f"{r['prompt_len_min']}/{r['prompt_len_mean']:.0f}/{r['prompt_len_max']}",
-                      r["output_throughput"], r["p50_tpot_ms"], r["p99_tpot_ms"], r["p50_ttft_ms"], r["p99_ttft_ms"],
-                      r["goodput"]] for r in e3])
+                      r["output_throughput"], _triple(r, "tpot"), _triple(r, "ttft"),
+                      f"{r['p50_e2e_ms']:.0f}/{r['p99_e2e_ms']:.0f}", r["goodput"]] for r in e3])
     lines += ["", "![throughput and TPOT vs concurrency](exp3_concurrency.png)", "",
               "![latency CDFs at the highest concurrency](exp3_latency_cdfs.png)", ""]
     e4 = results["hf_vs_kvflow"]
@@ -295,12 +299,10 @@ def write_report(out: Path, results: dict) -> Path:
         lines += [f"The same {e4['requests']} requests (prompts {e4['prompt_len_min']}-{e4['prompt_len_max']} tokens, "
                   f"{e4['output_len']} output tokens, greedy), all arriving at once. HF transformers "
                   f"({hf['dtype']}) serves them one after another; kvflow ({results['dtype']}) batches them.", ""]
-        lines += _table(["engine", "output tokens/s", "TTFT P50 ms", "TTFT P99 ms", "E2E P50 ms", "E2E P99 ms",
-                         "TPOT P50 ms"],
-                        [["HF one at a time", hf["output_throughput"], hf["p50_ttft_ms"], hf["p99_ttft_ms"],
-                          hf["p50_e2e_ms"], hf["p99_e2e_ms"], hf["p50_tpot_ms"]],
-                         ["kvflow", kv["output_throughput"], kv["p50_ttft_ms"], kv["p99_ttft_ms"], kv["p50_e2e_ms"],
-                          kv["p99_e2e_ms"], kv["p50_tpot_ms"]]])
+        lines += _table(["engine", "output tokens/s", "TTFT P50/P95/P99 ms", "E2E P50/P95/P99 ms",
+                         "TPOT P50/P95/P99 ms"],
+                        [[name, r["output_throughput"], _triple(r, "ttft"), _triple(r, "e2e"), _triple(r, "tpot")]
+                         for name, r in (("HF one at a time", hf), ("kvflow", kv))])
         lines += ["", f"kvflow's output throughput is {kv['output_throughput'] / hf['output_throughput']:.1f}x HF's; "
                       f"its P99 E2E is {hf['p99_e2e_ms'] / kv['p99_e2e_ms']:.1f}x shorter.", ""]
     path = out / "report.md"
