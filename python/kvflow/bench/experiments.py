@@ -57,13 +57,15 @@ def _free_port() -> int:
 def _engine_flags(args) -> list[str]:
     """The shared engine arguments, passed on to `python -m kvflow serve`."""
     flags = ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-cache-memory",
-             str(args.kv_cache_memory), "--block-size", str(args.block_size)]
-    for name in ("model", "max_model_len", "threads", "seed"):
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    for name in ("model", "max_model_len", "kv_cache_memory", "threads", "seed"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if not args.enable_prefix_caching:
         flags.append("--no-enable-prefix-caching")
+    if args.enforce_eager:
+        flags.append("--enforce-eager")
     return flags
 
 

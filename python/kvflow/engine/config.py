@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU default when kv_cache_memory is not given
 
 
 @dataclass
@@ -15,7 +16,10 @@ class EngineConfig:
     max_model_len: int | None = None      # default: the model's context length
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    kv_cache_memory: int = 1 << 30        # bytes of KV cache
+    kv_cache_memory: int | None = None    # bytes of KV cache; None: 1 GiB on the CPU, and on CUDA what
+                                          # gpu_memory_utilization leaves after weights and activations
+    gpu_memory_utilization: float = 0.9   # CUDA: the share of the GPU's memory the engine may use
+    enforce_eager: bool = False           # CUDA: no CUDA graphs (decode steps launch kernel by kernel)
     block_size: int = 16
     enable_prefix_caching: bool = True
     threads: int | None = None            # CPU threads (default: torch's)
@@ -26,12 +30,18 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (the CPU attention kernel's), got {self.block_size}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+
+    @property
+    def on_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow._C import BlockAllocator
-from kvflow.engine.config import EngineConfig
-from kvflow.engine.kv_cache import kv_cache_bytes_per_block
+from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
@@ -24,6 +24,8 @@ from kvflow.ops.cache import copy_blocks
 from kvflow.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvflow")
+
+MAX_CUDA_GRAPH_BATCH = 256  # larger decode batches run eagerly: launch overhead matters less there
 
 
 @dataclass
@@ -70,11 +72,19 @@ class LLMEngine:
         self.load_seconds = loaded.load_seconds
         context = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or context, context)
-        num_blocks = config.kv_cache_memory // kv_cache_bytes_per_block(loaded.config, config.block_size,
-                                                                        config.torch_dtype)
+        kv_cache_memory = config.kv_cache_memory
+        if kv_cache_memory is None:
+            kv_cache_memory = CPU_KV_CACHE_MEMORY if not config.on_cuda else cuda_kv_cache_budget(
+                loaded.model, loaded.config, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                max_model_len, config.gpu_memory_utilization, config.device)
+        num_blocks = kv_cache_memory // kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {config.kv_cache_memory} bytes holds no KV block")
+            raise ValueError(f"kv_cache_memory of {kv_cache_memory} bytes holds no KV block")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.device)
+        if config.on_cuda and not config.enforce_eager:
+            start = time.perf_counter()
+            sizes = self.runner.capture_decode_graphs(min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH), max_model_len)
+            logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
         self.allocator = BlockAllocator(num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                                    config.block_size, config.enable_prefix_caching), self.allocator)

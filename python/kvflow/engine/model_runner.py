@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.cuda_graphs import DecodeCudaGraphs
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.sampling_params import SamplingParams
 from kvflow.models.config import ModelConfig
@@ -44,6 +45,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, model.dtype, self.device)
+        self.decode_graphs: DecodeCudaGraphs | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_seq_len: int) -> list[int]:
+        """On CUDA: captures the decode graphs (see cuda_graphs.py); returns the batch sizes."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
+        self.decode_graphs = DecodeCudaGraphs(self.model, self.kv_caches, self.block_size, max_seq_len, max_batch,
+                                              self.device)
+        return self.decode_graphs.sizes
 
     @torch.inference_mode()
     def execute(self, requests: list[ScheduledRequest]) -> list[SampledToken | None]:
@@ -56,11 +66,21 @@ class ModelRunner:
             if r.seq_len > self.config.max_position_embeddings:
                 raise ValueError(f"a request of {r.seq_len} tokens exceeds the model's context of "
                                  f"{self.config.max_position_embeddings}")
-        metadata = AttentionMetadata.build(
-            [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
-            self.block_size, self.device, num_blocks=self.num_blocks)
-        input_ids = self._tensor([t for r in requests for t in r.token_ids], torch.int64)
-        hidden = self.model(input_ids, metadata, self.kv_caches)
+        token_ids = [t for r in requests for t in r.token_ids]
+        if self.decode_graphs is None:
+            metadata = AttentionMetadata.build(
+                [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
+                self.block_size, self.device, num_blocks=self.num_blocks)
+            hidden = self.model(self._tensor(token_ids, torch.int64), metadata, self.kv_caches)
+        else:
+            metadata = AttentionMetadata.build(
+                [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
+                self.block_size, "cpu", num_blocks=self.num_blocks)
+            input_ids = torch.tensor(token_ids, dtype=torch.int64)
+            if self.decode_graphs.can_run(metadata):
+                hidden = self.decode_graphs.run(input_ids, metadata)
+            else:
+                hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
 
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
         results: list[SampledToken | None] = [None] * len(requests)

@@ -28,8 +28,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per model step")
-    parser.add_argument("--kv-cache-memory", type=parse_memory, default=1 << 30,
-                        help="KV cache size, e.g. 2GiB (default 1GiB)")
+    parser.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                        help="KV cache size, e.g. 2GiB (default: 1GiB on the CPU; on CUDA what "
+                             "--gpu-memory-utilization leaves after the weights and activations)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: the share of the GPU's memory the engine may use")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: launch decode steps kernel by kernel instead of replaying CUDA graphs")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")

@@ -18,7 +18,8 @@ def build_engine_config(args) -> EngineConfig:
     """The EngineConfig from the shared engine arguments (cli.add_engine_arguments)."""
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager, block_size=args.block_size,
                         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
                         seed=args.seed if args.seed is not None else 0)
 
