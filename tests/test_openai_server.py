@@ -241,6 +241,51 @@ def test_malformed_json_and_the_server_keeps_serving(served, client):
     assert result.choices[0].text == offline[PROMPTS[0]].text
 
 
+def test_null_fields_mean_their_defaults(served, client):
+    url, _, offline = served
+    response = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "top_p": None,
+                                             "n": None, "presence_penalty": None, "stream": None, "echo": None,
+                                             "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == offline[PROMPTS[0]].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=None, logprobs=None)
+    assert chat.usage.completion_tokens <= 4
+
+
+def test_a_chat_template_error_is_the_clients(served):
+    url, engine, _ = served
+    template = engine.tokenizer.chat_template
+    engine.tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    try:
+        response = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        engine.tokenizer.chat_template = template
+    assert response.status_code == 400
+    assert "roles must alternate" in response.json()["error"]["message"]
+
+
+def test_a_failed_engine_step_is_a_500_and_the_server_recovers(served, client):
+    url, engine, offline = served
+    execute = engine.runner.execute
+
+    def broken(requests):
+        raise RuntimeError("simulated kernel failure")
+
+    engine.runner.execute = broken
+    try:
+        response = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})
+    finally:
+        engine.runner.execute = execute
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "internal_error" and "simulated kernel failure" in error["message"]
+    wait_idle(engine)
+    result = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.choices[0].text == offline[PROMPTS[0]].text
+
+
 def test_api_key_is_required(served):
     url = served[0]
     for key in (None, "wrong-key"):
@@ -270,6 +315,16 @@ def test_client_disconnect_mid_stream_frees_blocks(served):
         assert engine.allocator.num_used_blocks > 0, "the request should hold blocks while streaming"
     wait_idle(engine)  # the abort freed everything well before 400 tokens
     assert engine.stats()["finished_requests"]["abort"] >= 1
+
+
+def test_client_gone_before_a_non_streaming_answer_frees_blocks(served):
+    url, engine, _ = served
+    aborted = engine.stats()["finished_requests"]["abort"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=1.0)
+    wait_idle(engine, timeout=5)  # 400 tokens would take far longer: the request was aborted
+    assert engine.stats()["finished_requests"]["abort"] == aborted + 1
 
 
 def test_metrics_count_what_was_sent(served, client):
@@ -335,6 +390,14 @@ def test_full_queue_answers_503():
         rejected = asyncio.run(run(url))
         assert rejected.status_code == 503
         assert "queue" in rejected.json()["error"]["message"]
+        wait_idle(llm.engine)
+        # This pool holds fewer tokens than the context: a chat without max_tokens is still taken
+        # (its answer may fill the pool) rather than refused for a length nobody asked for.
+        assert llm.engine.num_kv_tokens < MAX_MODEL_LEN
+        body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            assert next(line for line in response.iter_lines() if line.startswith("data: "))
         wait_idle(llm.engine)
 
 

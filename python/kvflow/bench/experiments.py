@@ -189,7 +189,7 @@ def concurrency_sweep(plan: Plan, tokenizer, base_url: str, model: str, api_key:
     return rows, records_by_concurrency
 
 
-def hf_one_at_a_time(requests: list[BenchRequest], model_path: str | None, dtype: str) -> dict:
+def hf_one_at_a_time(requests: list[BenchRequest], model_path: str | None, dtype: str, device: str) -> dict:
     """Hugging Face transformers, greedy, one request after another as if they all arrived at
     time 0: a request's TTFT and E2E include the wait for the ones before it."""
     import torch
@@ -205,6 +205,7 @@ def hf_one_at_a_time(requests: list[BenchRequest], model_path: str | None, dtype
     else:
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                      dtype=torch_dtype).eval()
+    model.to(device)
     tokenizer = load_tokenizer(model_path)
 
     class TokenTimes(BaseStreamer):
@@ -222,14 +223,15 @@ def hf_one_at_a_time(requests: list[BenchRequest], model_path: str | None, dtype
         for request in requests:
             ids = tokenizer.encode(request.prompt)
             streamer = TokenTimes()
-            model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            model.generate(torch.tensor([ids], device=device),
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                            max_new_tokens=request.output_len, min_new_tokens=request.output_len, do_sample=False,
                            streamer=streamer)
             token_times = streamer.times[1:]  # the first put is the prompt
             records.append(RequestRecord(len(ids), len(token_times), True, "", 0.0, token_times[0] - start,
                                          [b - a for a, b in zip(token_times, token_times[1:])],
                                          token_times[-1] - start))
-    return summarize(records, time.perf_counter() - start) | {"dtype": dtype}
+    return summarize(records, time.perf_counter() - start) | {"dtype": dtype, "device": device}
 
 
 def kvflow_all_at_once(requests: list[BenchRequest], base_url: str, model: str, api_key: str | None) -> dict:
@@ -300,7 +302,8 @@ def write_report(out: Path, results: dict) -> Path:
         kv, hf = e4["kvflow"], e4["hf"]
         lines += [f"The same {e4['requests']} requests (prompts {e4['prompt_len_min']}-{e4['prompt_len_max']} tokens, "
                   f"{e4['output_len']} output tokens, greedy), all arriving at once. HF transformers "
-                  f"({hf['dtype']}) serves them one after another; kvflow ({results['dtype']}) batches them.", ""]
+                  f"({hf['dtype']}, {hf['device']}) serves them one after another; kvflow ({results['dtype']}) "
+                  "batches them.", ""]
         lines += _table(["engine", "output tokens/s", "TTFT P50/P95/P99 ms", "E2E P50/P95/P99 ms",
                          "TPOT P50/P95/P99 ms"],
                         [[name, r["output_throughput"], _triple(r, "ttft"), _triple(r, "e2e"), _triple(r, "tpot")]
@@ -385,9 +388,11 @@ def run_experiments(args) -> int:
         hf_vs_kvflow["skipped"] = "--no-hf"
     else:
         try:
-            hf_vs_kvflow["hf"] = hf_one_at_a_time(hf_requests, args.model, args.hf_dtype)
+            hf_vs_kvflow["hf"] = hf_one_at_a_time(hf_requests, args.model, args.hf_dtype, args.device)
         except ImportError as error:
             hf_vs_kvflow["skipped"] = f"transformers is not installed ({error}); pip install 'kvflow[bench]'"
+        except Exception as error:  # the other experiments' results are kept
+            hf_vs_kvflow["skipped"] = f"Hugging Face transformers failed: {type(error).__name__}: {error}"
     results = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dtype": args.dtype,
                "server": "started by this command" if server else base_url, "torch": torch.__version__,
                "cpu_count": os.cpu_count(), "command": "python -m kvflow " + " ".join(sys.argv[1:]),

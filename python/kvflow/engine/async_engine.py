@@ -10,6 +10,7 @@ streaming the last one's tokens to the clients."""
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 from kvflow.engine.config import EngineConfig
@@ -18,6 +19,10 @@ from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
 
 _STOP = object()
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed; every request in flight was aborted (the server's fault, not the client's)."""
 
 
 class RequestStream:
@@ -44,6 +49,7 @@ class AsyncLLMEngine:
         self._calls: queue.Queue = queue.Queue()  # (function, args, future or None), or _STOP
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.num_pending_adds = 0  # requests on their way to the engine thread
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -90,13 +96,20 @@ class AsyncLLMEngine:
         iterated must be ended with abort() or abort_nowait()."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.perf_counter()  # before the wait for the engine thread, which counts too
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = outputs
+        self.num_pending_adds += 1
         try:
-            await self._call(self.engine.add_request, request_id, prompt, params)
-        except BaseException:
-            del self._streams[request_id]
+            await self._call(self.engine.add_request, request_id, prompt, params, arrival)
+        except ValueError:
+            self._streams.pop(request_id, None)
             raise
+        except BaseException:  # cancelled while queued: the engine may add it after all
+            self.abort_nowait(request_id)
+            raise
+        finally:
+            self.num_pending_adds -= 1
         return RequestStream(self, request_id, self._outputs(request_id, outputs))
 
     async def _outputs(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -128,9 +141,13 @@ class AsyncLLMEngine:
         self._calls.put((self.engine.abort_request, (request_id,), None))
 
     async def abort_all(self) -> None:
-        """Ends every request in flight (shutdown)."""
-        for request_id in list(self._streams):
-            await self.abort(request_id)
+        """Ends every request in flight (shutdown), in one call between two steps."""
+        request_ids = list(self._streams)
+        finals = await self._call(lambda: [self.engine.abort_request(r) for r in request_ids])
+        for request_id, final in zip(request_ids, finals):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and final is not None:
+                stream.put_nowait(final)
 
     async def stats(self) -> dict:
         return await self._call(self.engine.stats)
@@ -195,12 +212,16 @@ class AsyncLLMEngine:
             future.set_result(result)
 
     def _step(self) -> None:
+        in_flight = self.engine.unfinished_request_ids()
         try:
             outputs = self.engine.step()
         except Exception as error:  # a failed step fails every request in flight, not the server
-            for request_id in self.engine.unfinished_request_ids():
+            request_ids = in_flight  # the step itself has already ended the ones it held
+            for request_id in request_ids:
                 self.engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(self._fail_streams, error)
+            failure = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
+            failure.__cause__ = error
+            self._loop.call_soon_threadsafe(self._fail_streams, request_ids, failure)
             return
         self._loop.call_soon_threadsafe(self._dispatch, outputs)
 
@@ -212,6 +233,8 @@ class AsyncLLMEngine:
             if output.finished and self.on_finished is not None:
                 self.on_finished(output)
 
-    def _fail_streams(self, error: Exception) -> None:
-        for request_id in list(self._streams):
-            self._streams.pop(request_id).put_nowait(error)
+    def _fail_streams(self, request_ids: list[str], error: Exception) -> None:
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_nowait(error)

@@ -41,9 +41,11 @@ class DecodeCudaGraphs:
             self.block_tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32, device=device)
             self.cu_seqlens_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
             self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.device = torch.device(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture()
+        with torch.cuda.device(self.device):  # capture streams belong to the current device
+            self._capture()
 
     def _metadata(self, rows: int) -> AttentionMetadata:
         return AttentionMetadata(positions=self.positions[:rows], slot_mapping=self.slot_mapping[:rows],
@@ -88,5 +90,6 @@ class DecodeCudaGraphs:
         if rows > n:  # padding rows write nothing and attend over one cached token
             self.slot_mapping[n:rows].fill_(-1)
             self.seq_lens[n:rows].fill_(1)
-        self.graphs[rows].replay()
+        with torch.cuda.device(self.device):
+            self.graphs[rows].replay()
         return self.outputs[rows][:n]

@@ -104,9 +104,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
         """Queues a request (text, or token ids). Raises ValueError for a malformed one, or one
-        that could never fit the model's context or the KV pool."""
+        that could never fit the model's context or the KV pool. arrival_time (perf_counter)
+        defaults to now."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,6 +122,8 @@ class LLMEngine:
         samples = []
         for index in range(params.n):
             seq = Sequence(request_id, ids, params, sample_seed(seed, index), index)
+            if arrival_time is not None:
+                seq.times.arrival = arrival_time
             samples.append(_Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                                    StopStringMatcher(params.stop), logprobs=[] if params.logprobs is not None else None))
         self.scheduler.add(samples[0].seq)
@@ -145,6 +149,11 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV pool holds."""
+        return self.allocator.num_blocks * self.scheduler.config.block_size
 
     # ------------------------------------------------------------------ one step
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.engine.async_engine import AsyncLLMEngine, EngineStepError
 from kvflow.engine.metrics import EngineMetrics
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvflow.entrypoints.openai.serving import OpenAIServing, QueueFullError
@@ -49,6 +49,24 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         param = param or (".".join(location) or None)
         parts.append(f"{'.'.join(location) or 'body'}: {item.get('msg')}")
     return "; ".join(parts) or "invalid request", param
+
+
+async def _unless_disconnected(request: Request, coroutine):
+    """Awaits coroutine, cancelling it if the client goes away first: a non-streaming request
+    whose client timed out must not keep its KV blocks until it finishes (a streaming response
+    notices the disconnect itself)."""
+    task = asyncio.ensure_future(coroutine)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the connection", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
@@ -89,12 +107,14 @@ def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{model_name}`",
                            "invalid_request_error", "model", "model_not_found")
 
-    async def respond(handler, body):
+    async def respond(handler, body, request: Request):
         check_model(body.model)
         try:
-            result = await handler(body)
+            result = await _unless_disconnected(request, handler(body))
         except QueueFullError as error:
             raise APIError(503, str(error), "service_unavailable") from error
+        except EngineStepError as error:
+            raise APIError(500, str(error), "internal_error") from error
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error") from error
         if isinstance(result, dict):
@@ -109,12 +129,12 @@ def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None
                                             "owned_by": "kvflow", "max_model_len": engine.max_model_len}]}
 
     @v1.post("/completions", dependencies=[Depends(check_accepting)])
-    async def completions(body: CompletionRequest):
-        return await respond(serving.completions, body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(serving.completions, body, request)
 
     @v1.post("/chat/completions", dependencies=[Depends(check_accepting)])
-    async def chat_completions(body: ChatCompletionRequest):
-        return await respond(serving.chat, body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(serving.chat, body, request)
 
     app.include_router(v1)
 
@@ -129,6 +149,11 @@ def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return _error_response(error.status, error.message, error.type, error.param, error.code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return _error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):

@@ -14,45 +14,67 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
+    # OpenAI marks most fields nullable: null means the default, as if the field were absent.
     model: str | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=128)
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=2)              # default 1
+    top_p: float | None = Field(None, gt=0, le=1)                    # default 1
+    n: int | None = Field(None, ge=1, le=128)                        # default 1
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 63)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)        # default 0
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)       # default 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int = Field(0, ge=-1)            # 0 or -1: off
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
-    ignore_eos: bool = False
+    top_k: int | None = Field(None, ge=-1)                           # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+
+        def given(value, default):
+            return default if value is None else value
+
         return SamplingParams(
-            max_tokens=max_tokens, n=self.n, temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-            min_p=self.min_p, seed=self.seed, repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            max_tokens=max_tokens, n=self.num_samples, temperature=given(self.temperature, 1.0),
+            top_k=max(given(self.top_k, 0), 0), top_p=given(self.top_p, 1.0), min_p=given(self.min_p, 0.0),
+            seed=self.seed, repetition_penalty=given(self.repetition_penalty, 1.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=given(self.ignore_eos, False),
+            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True))
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1)                       # default 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, each text or token ids."""
@@ -67,7 +89,7 @@ class CompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.num_samples:
             raise ValueError("best_of other than n is not supported")
 
 
@@ -91,7 +113,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 

@@ -8,6 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import jinja2
+
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
@@ -45,18 +47,18 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
         request.check_supported()
         prompts = [self._prompt_ids(p) for p in request.prompts()]
-        params = request.sampling_params(request.max_tokens, request.logprobs)
+        params = request.sampling_params(request.max_new_tokens, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         echo = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if request.echo else None
         streams = await self._start(request_id, prompts, params)
-        if request.stream:
+        if request.streaming:
             return self._stream_completion(request_id, request, prompts, streams, echo)
         outputs = await self._collect(streams)
         choices = []
         for p, output in enumerate(outputs):
             for completion in output.outputs:
                 text = (echo[p] if echo else "") + completion.text
-                choices.append({"index": p * request.n + completion.index, "text": text,
+                choices.append({"index": p * request.num_samples + completion.index, "text": text,
                                 "logprobs": self._completion_logprobs(completion.token_ids, completion.logprobs,
                                                                       params.logprobs, len(echo[p]) if echo else 0),
                                 "finish_reason": completion.finish_reason})
@@ -64,14 +66,20 @@ class OpenAIServing:
                 "choices": choices, "usage": self._usage(prompts, outputs)}
 
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-        text = self.tokenizer.apply_chat_template([m.as_template_message() for m in request.messages],
-                                                  add_generation_prompt=request.add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_template_message() for m in request.messages],
+                                                      add_generation_prompt=request.add_generation_prompt)
+        except jinja2.TemplateError as error:  # the template's own checks, e.g. "roles must alternate"
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = request.max_completion_tokens or request.max_tokens or max(self.max_model_len - len(ids), 1)
+        # Unset, the answer may fill the context, or the KV pool where that is smaller (so that
+        # the request is not refused for a length the client never asked for).
+        room = min(self.max_model_len - len(ids), self.engine.engine.num_kv_tokens - len(ids) + 1)
+        max_tokens = request.max_completion_tokens or request.max_tokens or max(room, 1)
         params = request.sampling_params(max_tokens, request.requested_logprobs())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [ids], params)
-        if request.stream:
+        if request.streaming:
             return self._stream_chat(request_id, request, [ids], streams)
         outputs = await self._collect(streams)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -91,7 +99,8 @@ class OpenAIServing:
 
     async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list:
         """Adds one engine request per prompt (all or none) and returns their output streams."""
-        if self.max_queue_len is not None and self.engine.engine.stats()["waiting"] >= self.max_queue_len:
+        waiting = len(self.engine.engine.scheduler.waiting) + self.engine.num_pending_adds
+        if self.max_queue_len is not None and waiting >= self.max_queue_len:
             raise QueueFullError(f"the server's waiting queue is full ({self.max_queue_len} requests); retry later")
         streams = []
         try:
@@ -160,7 +169,7 @@ class OpenAIServing:
 
     async def _stream_completion(self, request_id: str, request: CompletionRequest, prompts: list[list[int]],
                                  streams: list, echo: list[str] | None) -> AsyncIterator[str]:
-        created, n = int(time.time()), request.n
+        created, n = int(time.time()), request.num_samples
         sent = {(p, i): _Choice() for p in range(len(prompts)) for i in range(n)}
         finals: dict[int, RequestOutput] = {}
 
@@ -186,7 +195,7 @@ class OpenAIServing:
                                   "logprobs": self._completion_logprobs(token_ids, logprobs, request.logprobs,
                                                                         offset + len(state.text) - len(text)),
                                   "finish_reason": state.finish_reason}])
-            if request.stream_options and request.stream_options.include_usage:
+            if request.include_usage:
                 yield chunk([], self._usage(prompts, [finals[p] for p in range(len(prompts))]))
             yield sse("[DONE]")
         except Exception as error:  # a failed engine step: tell the client in the stream
@@ -196,7 +205,7 @@ class OpenAIServing:
     async def _stream_chat(self, request_id: str, request: ChatCompletionRequest, prompts: list[list[int]],
                            streams: list) -> AsyncIterator[str]:
         created = int(time.time())
-        sent = {i: _Choice() for i in range(request.n)}
+        sent = {i: _Choice() for i in range(request.num_samples)}
         num_top = request.requested_logprobs()
         final = None
 
@@ -206,7 +215,7 @@ class OpenAIServing:
 
         try:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(request.n)])
+                          "finish_reason": None} for i in range(request.num_samples)])
             async for _, output in self._merged(streams):
                 final = output
                 for completion in output.outputs:
@@ -218,7 +227,7 @@ class OpenAIServing:
                     yield chunk([{"index": completion.index, "delta": {"content": text} if text else {},
                                   "logprobs": self._chat_logprobs(token_ids, logprobs, num_top),
                                   "finish_reason": state.finish_reason}])
-            if request.stream_options and request.stream_options.include_usage:
+            if request.include_usage:
                 yield chunk([], self._usage(prompts, [final]))
             yield sse("[DONE]")
         except Exception as error:
