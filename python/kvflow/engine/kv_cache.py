@@ -2,6 +2,7 @@
 
 import torch
 
+from kvflow.engine.huge_pages import empty_in_huge_pages
 from kvflow.models.config import ModelConfig
 
 
@@ -16,6 +17,9 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
     if num_blocks < 1:
         raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if torch.device(device).type == "cpu":  # attention reads blocks all over the pool: spare the TLB
+        tensors = empty_in_huge_pages([shape] * (2 * config.num_layers), dtype)
+        return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(config.num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)]
 

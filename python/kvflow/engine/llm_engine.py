@@ -12,6 +12,7 @@ import torch
 
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from kvflow.engine.huge_pages import move_parameters_to_huge_pages
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -67,6 +68,8 @@ class LLMEngine:
         loaded = load_model(config.model, config.torch_dtype, config.device)
         if config.cpu_prepack_weights and config.device == "cpu" and hasattr(loaded.model, "prepack_linear_weights"):
             loaded.model.prepack_linear_weights()
+        if not config.on_cuda:
+            move_parameters_to_huge_pages(loaded.model)  # decode streams them every step
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
