@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import kvflow
 from kvflow import AttentionMetadata, ops
-from timing import read_bandwidth, timed
+from timing import read_bandwidth, timed, write_markdown
 
 
 def memory_bandwidth(device: str) -> tuple[float, str]:
@@ -121,9 +121,7 @@ def main():
         row = f"| {length} | {t_ours * 1e3:.2f} | {t_peer * 1e3:.2f} | {t_peer / t_ours:.2f}x |"
         lines.append(row)
         print(row, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

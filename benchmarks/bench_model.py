@@ -22,7 +22,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.loader import load_model, resolve_model_path
-from timing import read_bandwidth
+from timing import read_bandwidth, write_markdown
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -129,9 +129,7 @@ def main():
             lines.append(f"kvflow bf16 vs HF float32: TPOT {ours['tpot'] / hf['tpot']:.2f}x, "
                          f"TTFT {ours['ttft'] / hf['ttft']:.2f}x, load {ours['load'] / hf['load']:.2f}x")
     print("\n" + "\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

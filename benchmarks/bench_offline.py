@@ -23,6 +23,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.loader import resolve_model_path
+from timing import write_markdown
 
 
 def make_prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
@@ -143,9 +144,7 @@ def main():
               f"counting the prompt tokens too (every prompt token costs a forward pass as well): "
               f"{used_flops / elapsed / 1e9:.0f} GFLOP/s, {used_flops / elapsed / flops:.0%} of the measured matmul peak"]
     print("\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import kvflow
 from kvflow import ops
-from timing import read_bandwidth, timed
+from timing import read_bandwidth, timed, write_markdown
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
@@ -200,9 +200,7 @@ def main():
         linear_lines = small_linear_table(dtype, args.device, args.linear_rows, shapes, args.repeat)
         print("\n".join(linear_lines), flush=True)
         rows += linear_lines
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(header + rows) + "\n")
+    write_markdown(args.markdown, header + rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 
 import kvflow
 from kvflow import ops
-from timing import timed
+from timing import timed, write_markdown
 
 
 def torch_sample(logits, temperature, top_k, top_p, generator):
@@ -68,9 +68,7 @@ def main():
                    f"{t_top_p * 1e3:.3f} |")
             lines.append(row)
             print(row, flush=True)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ import time
 
 from kvflow import LLM, SamplingParams
 from kvflow.bench.datasets import random_requests
-from kvflow.bench.experiments import _free_port
+from kvflow.bench.experiments import free_port
 from kvflow.bench.latency_stats import summarize
 from kvflow.bench.serve_client import run_benchmark, wait_until_ready
+from timing import write_markdown
 
 
 def main():
@@ -40,7 +41,7 @@ def main():
     del llm, outputs
     gc.collect()
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "kvflow", "serve", "--port", str(port), "--dtype", args.dtype,
                                "--max-num-seqs", str(args.concurrency), "--uvicorn-log-level", "warning"]
                               + (["--model", args.model] if args.model else []),
@@ -68,9 +69,7 @@ def main():
              f"server / offline = {served / offline:.2f} (failed requests: {summary['failed']}); server TPOT "
              f"p50 {summary['p50_tpot_ms']:.1f} ms, p99 {summary['p99_tpot_ms']:.1f} ms"]
     print("\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The one timing rule every benchmark here uses: warm up, then the median of several runs,
-synchronising around each run on CUDA."""
+"""What every benchmark here shares: the one timing rule (warm up, then the median of several
+runs, synchronising around each run on CUDA), the machine's read bandwidth, and the --markdown
+copy of a report."""
 
 import statistics
 import time
@@ -29,3 +30,10 @@ def read_bandwidth(device: str = "cpu") -> float:
     x = torch.ones(128 << 20, dtype=torch.float32, device=device)
     best = min(timed(lambda: x.sum(), device, 1 if i else 2, 1) for i in range(10))
     return x.numel() * 4 / best / 1e9
+
+
+def write_markdown(path: str | None, lines: list[str]) -> None:
+    """The report's lines to `path` (a --markdown argument), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")

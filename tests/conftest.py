@@ -1,5 +1,10 @@
-"""Shared fixtures: where the ops run (each CPU instruction set, and CUDA when present) and the
-tolerances per dtype."""
+"""Shared fixtures: where the ops run (each CPU instruction set, and CUDA when present), the
+tolerances per dtype, and an ASGI app served on loopback for the HTTP tests."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -53,3 +58,25 @@ def cpu_isa(request):
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None):
     tol = TOLERANCES[dtype or actual.dtype]
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), **tol)
+
+
+@contextmanager
+def running_server(app):
+    """Serves the ASGI `app` with uvicorn on a free loopback port, in a thread; yields the base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

@@ -19,7 +19,6 @@ def test_fit_line_recovers_a_line_and_its_least_squares_fit():
 
 
 def test_quick_experiments_write_a_report(tmp_path):
-    pytest.importorskip("matplotlib")
     out = tmp_path / "experiments"
     result = subprocess.run([sys.executable, "-m", "kvflow", "bench", "experiments", "--out", str(out), "--quick",
                              "--no-hf", "--kv-cache-memory", "64MiB", "--max-model-len", "1024"],

@@ -6,14 +6,11 @@ import argparse
 import asyncio
 import json
 import math
-import socket
 import statistics
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
+from conftest import running_server
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -21,6 +18,7 @@ from starlette.routing import Route
 
 from kvflow.bench import cli as bench_cli
 from kvflow.bench import datasets
+from kvflow.bench.experiments import free_port
 from kvflow.bench.datasets import BenchRequest, jsonl_requests, random_requests
 from kvflow.bench.latency_stats import RequestRecord, parse_slo, percentile, summarize
 from kvflow.bench.serve_client import (ServerSentEvents, StreamedCompletion, arrival_offsets, run_benchmark,
@@ -219,10 +217,7 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    try:
-        return datasets.load_tokenizer(None)
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    return datasets.load_tokenizer(None)
 
 
 def test_random_requests_have_true_prompt_lengths_in_range(smollm2_tokenizer):
@@ -326,20 +321,9 @@ class FakeOpenAIServer:
 @pytest.fixture
 def fake_server():
     fake = FakeOpenAIServer()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(fake.app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the fake server did not start"
-        time.sleep(0.01)
-    fake.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield fake
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with running_server(fake.app) as base_url:
+        fake.base_url = base_url
+        yield fake
 
 
 def test_run_benchmark_times_streamed_completions(fake_server):
@@ -387,9 +371,7 @@ def test_run_benchmark_chat_endpoint(fake_server):
 
 def test_wait_until_ready(fake_server):
     wait_until_ready(fake_server.base_url, timeout=5)
-    with socket.socket() as unused:
-        unused.bind(("127.0.0.1", 0))
-        closed_url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    closed_url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(TimeoutError, match="not ready"):
         wait_until_ready(closed_url, timeout=0.3, interval=0.1)
 

@@ -8,49 +8,25 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 
 import httpx
+import openai
 import pytest
-import uvicorn
+from conftest import running_server
 from prometheus_client.parser import text_string_to_metric_families
 
-openai = pytest.importorskip("openai")
-
-from kvflow import LLM, SamplingParams  # noqa: E402
-from kvflow.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from kvflow.entrypoints.openai.api_server import build_app  # noqa: E402
+from kvflow import LLM, SamplingParams
+from kvflow.bench.experiments import free_port
+from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.entrypoints.openai.api_server import build_app
 
 API_KEY = "test-key"
 MODEL = "smollm2-test"
 MAX_MODEL_LEN = 512
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Water boils at"]
-
-
-@contextmanager
-def running_server(app):
-    """Serves `app` on a free loopback port in a thread; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -405,10 +381,7 @@ def test_full_queue_answers_503():
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(tmp_path):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvflow", "serve", "--port", str(port), "--dtype", "float32", "--kv-cache-memory",
          "128MiB", "--max-model-len", "1024", "--shutdown-timeout", "1", "--uvicorn-log-level", "warning"],

@@ -22,7 +22,10 @@ class AttentionMetadata:
         return self.positions.shape[0]
 
     def to(self, device: torch.device | str) -> "AttentionMetadata":
-        """The same metadata with its tensors on `device`."""
+        """The same metadata with its tensors on `device` (itself if they are there already)."""
+        if self.positions.device == torch.device(device):
+            return self
+
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 

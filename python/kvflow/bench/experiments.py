@@ -48,7 +48,8 @@ QUICK_PLAN = Plan(prompt_lens=(16, 128), prompt_sweep_repeats=2, output_lens=(8,
                   concurrencies=(1, 4), concurrency_output_len=16, hf_requests=4, hf_output_len=8)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -73,7 +74,7 @@ class _Server:
     """A kvflow server in a child process, stopped with SIGTERM."""
 
     def __init__(self, args, log_path: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
@@ -316,34 +317,11 @@ def write_report(out: Path, results: dict) -> Path:
 
 
 def write_plots(out: Path, results: dict, records_by_concurrency: dict[int, list[RequestRecord]]) -> None:
-    from kvflow.bench.plots import _pyplot, plot_concurrency_sweep, plot_latency_cdfs
+    from kvflow.bench.plots import plot_concurrency_sweep, plot_e2e_fit, plot_latency_cdfs, plot_ttft_vs_prompt
 
-    plt = _pyplot()
-    e1 = results["prompt_sweep"]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    axis.plot([r["prompt_len"] for r in e1], [r["p50_ttft_ms"] for r in e1], marker="o", label="P50")
-    axis.plot([r["prompt_len"] for r in e1], [r["p99_ttft_ms"] for r in e1], marker="s", label="P99")
-    axis.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="TTFT vs prompt length")
-    axis.grid(True, alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(out / "exp1_ttft_vs_prompt.png", dpi=120)
-    plt.close(figure)
-
+    plot_ttft_vs_prompt(results["prompt_sweep"], out / "exp1_ttft_vs_prompt.png")
     e2 = results["output_sweep"]
-    figure, axis = plt.subplots(figsize=(6, 4))
-    xs, ys = [x for x, _ in e2["points"]], [y * 1000 for _, y in e2["points"]]
-    axis.scatter([x + 1 for x in xs], ys, s=12, label="requests")
-    top = max(xs)
-    axis.plot([1, top + 1], [e2["fit_ttft_ms"], e2["fit_ttft_ms"] + e2["fit_tpot_ms"] * top], color="C1",
-              label=f"E2E = {e2['fit_ttft_ms']:.0f} ms + {e2['fit_tpot_ms']:.2f} ms x (N-1)")
-    axis.set(xlabel="output tokens N", ylabel="E2E (ms)", title="E2E vs output length")
-    axis.grid(True, alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(out / "exp2_e2e_vs_output.png", dpi=120)
-    plt.close(figure)
-
+    plot_e2e_fit(e2["points"], e2["fit_ttft_ms"], e2["fit_tpot_ms"], out / "exp2_e2e_vs_output.png")
     plot_concurrency_sweep(results["concurrency_sweep"], out / "exp3_concurrency.png")
     plot_latency_cdfs(records_by_concurrency[max(records_by_concurrency)], out / "exp3_latency_cdfs.png")
 

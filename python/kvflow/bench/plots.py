@@ -16,6 +16,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, figure, path: str | Path) -> Path:
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def _plot_cdf(axis, values_ms: list[float], title: str) -> None:
     axis.set_title(title)
     axis.set_xlabel("ms")
@@ -45,11 +53,7 @@ def plot_latency_cdfs(records: list[RequestRecord], path: str | Path) -> Path:
     for axis, (title, values_ms) in zip(axes.flat, panels):
         _plot_cdf(axis, values_ms, title)
     figure.suptitle(f"Latency CDFs ({len(completed)} completed requests)")
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def plot_concurrency_sweep(rows: list[dict], path: str | Path) -> Path:
@@ -78,8 +82,32 @@ def plot_concurrency_sweep(rows: list[dict], path: str | Path) -> Path:
             axis.set_xticks(concurrency, [f"{value:g}" for value in concurrency])
             axis.minorticks_off()
         axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
+
+
+def plot_ttft_vs_prompt(rows: list[dict], path: str | Path) -> Path:
+    """P50 and P99 TTFT against prompt length: rows of {prompt_len, p50_ttft_ms, p99_ttft_ms}."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6, 4))
+    lengths = [row["prompt_len"] for row in rows]
+    axis.plot(lengths, [row["p50_ttft_ms"] for row in rows], marker="o", label="P50")
+    axis.plot(lengths, [row["p99_ttft_ms"] for row in rows], marker="s", label="P99")
+    axis.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="TTFT vs prompt length")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    return _save(plt, figure, path)
+
+
+def plot_e2e_fit(points: list[tuple[int, float]], intercept_ms: float, slope_ms: float, path: str | Path) -> Path:
+    """Each request's E2E latency against its output length N, with the fit
+    E2E = intercept + slope x (N - 1); points are (N - 1, E2E in seconds)."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.scatter([x + 1 for x, _ in points], [y * 1000 for _, y in points], s=12, label="requests")
+    top = max(x for x, _ in points)
+    axis.plot([1, top + 1], [intercept_ms, intercept_ms + slope_ms * top], color="C1",
+              label=f"E2E = {intercept_ms:.0f} ms + {slope_ms:.2f} ms x (N-1)")
+    axis.set(xlabel="output tokens N", ylabel="E2E (ms)", title="E2E vs output length")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    return _save(plt, figure, path)

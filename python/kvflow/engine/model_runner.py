@@ -66,21 +66,17 @@ class ModelRunner:
             if r.seq_len > self.config.max_position_embeddings:
                 raise ValueError(f"a request of {r.seq_len} tokens exceeds the model's context of "
                                  f"{self.config.max_position_embeddings}")
-        token_ids = [t for r in requests for t in r.token_ids]
-        if self.decode_graphs is None:
-            metadata = AttentionMetadata.build(
-                [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
-                self.block_size, self.device, num_blocks=self.num_blocks)
-            hidden = self.model(self._tensor(token_ids, torch.int64), metadata, self.kv_caches)
+        graphs = self.decode_graphs
+        # With CUDA graphs the metadata stays on the host until it is known whether it is copied
+        # into the graphs' static buffers or uploaded for an eager step.
+        metadata = AttentionMetadata.build(
+            [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
+            self.block_size, self.device if graphs is None else "cpu", num_blocks=self.num_blocks)
+        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
+        if graphs is not None and graphs.can_run(metadata):
+            hidden = graphs.run(input_ids, metadata)
         else:
-            metadata = AttentionMetadata.build(
-                [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
-                self.block_size, "cpu", num_blocks=self.num_blocks)
-            input_ids = torch.tensor(token_ids, dtype=torch.int64)
-            if self.decode_graphs.can_run(metadata):
-                hidden = self.decode_graphs.run(input_ids, metadata)
-            else:
-                hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
+            hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
 
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
         results: list[SampledToken | None] = [None] * len(requests)
