@@ -13,7 +13,7 @@ import jinja2
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.sampling_params import SamplingParams
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
 class QueueFullError(Exception):
@@ -107,8 +107,7 @@ class OpenAIServing:
             for i, ids in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
         except BaseException:
-            for i in range(len(streams)):
-                await self.engine.abort(f"{request_id}-{i}")
+            self._abort_streams(streams)
             raise
         return streams
 
@@ -199,7 +198,7 @@ class OpenAIServing:
                 yield chunk([], self._usage(prompts, [finals[p] for p in range(len(prompts))]))
             yield sse("[DONE]")
         except Exception as error:  # a failed engine step: tell the client in the stream
-            yield sse({"error": {"message": str(error), "type": "internal_error", "param": None, "code": 500}})
+            yield sse(error_body(str(error), "internal_error", code=500))
             yield sse("[DONE]")
 
     async def _stream_chat(self, request_id: str, request: ChatCompletionRequest, prompts: list[list[int]],
@@ -231,7 +230,7 @@ class OpenAIServing:
                 yield chunk([], self._usage(prompts, [final]))
             yield sse("[DONE]")
         except Exception as error:
-            yield sse({"error": {"message": str(error), "type": "internal_error", "param": None, "code": 500}})
+            yield sse(error_body(str(error), "internal_error", code=500))
             yield sse("[DONE]")
 
     @staticmethod
