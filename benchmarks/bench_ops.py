@@ -154,6 +154,52 @@ def small_linear_table(dtype, device, rows_grid, shapes, repeat) -> list[str]:
     return lines
 
 
+def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
+    """packed_linear against torch's matmul on the same products, bfloat16: prefill's and batched
+    decode's many-row products, bound by arithmetic, so compared in GFLOP/s. The peers are
+    F.linear and oneDNN's matmul on a weight prepacked for the batch size (torch.ops.mkldnn,
+    what torch.compile's CPU backend and IPEX use). Each pass runs over every copy of a model's
+    worth of weights (>= 200 MB), so that they come from memory, as a model's layers do."""
+    from kvflow.layers.linear import PackedWeight
+
+    lines = ["", "packed_linear, bfloat16 weights from memory: GFLOP/s (time per product)", "",
+             "| rows x in -> out | kvflow | oneDNN prepacked | F.linear | vs oneDNN |", "|---|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    for in_features, out_features in shapes:
+        copies = max(1, -(-(200 << 20) // (2 * in_features * out_features)))
+        weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) for _ in range(copies)]
+        ours = [ops.pack_linear_weight(w) for w in weights]
+        for rows in rows_grid:
+            onednn = ([torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+                      if PackedWeight.can_pack(weights[0]) and torch.backends.mkldnn.is_available() else None)
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+            flops = 2 * rows * in_features * out_features
+            runs = max(2, min(repeat // 10, int(2e10 // (flops * copies)) + 1))
+
+            def run_ours():
+                for packed in ours:
+                    ops.packed_linear(x, packed, out_features, out=out)
+
+            def run_onednn():
+                for packed in onednn:
+                    torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+            def run_torch():
+                for w in weights:
+                    F.linear(x, w)
+
+            t_ours = timed(run_ours, "cpu", 1, runs) / copies
+            t_torch = timed(run_torch, "cpu", 1, runs) / copies
+            t_onednn = timed(run_onednn, "cpu", 1, runs) / copies if onednn is not None else float("nan")
+            gf = lambda t: f"{flops / t / 1e9:.0f} ({t * 1e6:.0f} us)"  # noqa: E731
+            lines.append(f"| {rows} x {in_features} -> {out_features} | {gf(t_ours)} | {gf(t_onednn)} | "
+                         f"{gf(t_torch)} | {t_onednn / t_ours:.2f}x |")
+            print(lines[-1], flush=True)
+        del weights, ours
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -167,6 +213,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--linear-rows", type=int, nargs="*", default=[1, 2, 4, 8],
                         help="rows for the small_linear table (CPU only; empty to skip)")
+    parser.add_argument("--packed-rows", type=int, nargs="*", default=[16, 64, 256, 2048],
+                        help="rows for the packed_linear table (CPU, bfloat16 only; empty to skip)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -200,6 +248,9 @@ def main():
         linear_lines = small_linear_table(dtype, args.device, args.linear_rows, shapes, args.repeat)
         print("\n".join(linear_lines), flush=True)
         rows += linear_lines
+    if args.device == "cpu" and args.packed_rows and not args.ops and dtype == torch.bfloat16:
+        rows += packed_linear_table(args.packed_rows, [(576, 960), (576, 3072), (1536, 576), (576, 49152)],
+                                    args.repeat)
     write_markdown(args.markdown, header + rows)
 
 

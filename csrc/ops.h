@@ -17,6 +17,17 @@ void small_linear(at::Tensor& out,                     // [rows, out_features]
                   const at::Tensor& weight,            // [out_features, in_features]
                   const std::optional<at::Tensor>& bias);  // [out_features]
 
+// CPU only: a bfloat16 weight [out_features, in_features] reordered into packed_linear's panels,
+// [ceil(out_features / 48), ceil(in_features / 2), 48, 2] (see kernel_table.h).
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+
+// CPU only: out = input @ weight^T (+ bias) for many rows (prefill, batched decode), weight
+// given as pack_linear_weight made it; out bfloat16 or float32.
+void packed_linear(at::Tensor& out,                        // [rows, out_features]
+                   const at::Tensor& input,                // [rows, in_features] bfloat16
+                   const at::Tensor& packed_weight,        // pack_linear_weight(weight)
+                   const std::optional<at::Tensor>& bias);  // [out_features] bfloat16
+
 // CPU only: a whole Llama decoder layer for a few tokens (decode), in place on hidden and residual.
 void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hidden_size]: in, then the layer's output
                          at::Tensor& residual,                // [num_tokens, hidden_size]

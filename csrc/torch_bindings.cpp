@@ -55,6 +55,10 @@ TORCH_LIBRARY(kvflow, m) {
   m.def("compute_logprobs(Tensor logits, Tensor token_ids, int num_top) -> (Tensor, Tensor, Tensor)");
   // out = input @ weight^T (+ bias) for a few rows (decode), reading the weights once. CPU only.
   m.def("small_linear(Tensor! out, Tensor input, Tensor weight, Tensor? bias=None) -> ()");
+  // A bfloat16 weight reordered once into the panels packed_linear reads. CPU only.
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  // out = input @ weight^T (+ bias) for many rows, from pack_linear_weight(weight). CPU only.
+  m.def("packed_linear(Tensor! out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
   m.def(
       "llama_decoder_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor input_norm_weight, "
       "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor post_norm_weight, Tensor gate_up_weight, "
@@ -77,6 +81,8 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
   m.impl("small_linear", &kvflow::cpu::small_linear);
+  m.impl("pack_linear_weight", &kvflow::cpu::pack_linear_weight);
+  m.impl("packed_linear", &kvflow::cpu::packed_linear);
   m.impl("llama_decoder_layer", &kvflow::cpu::llama_decoder_layer);
 }
 

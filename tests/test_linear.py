@@ -1,5 +1,6 @@
-"""small_linear (and the linear router) against float32 PyTorch. small_linear is a CPU op (on
-CUDA torch's matmul serves every batch size), run here on every instruction set."""
+"""small_linear and packed_linear (and the layers that route to them) against float32 PyTorch.
+Both are CPU ops (on CUDA torch's matmul serves every batch size), run here on every
+instruction set."""
 
 import pytest
 import torch
@@ -65,8 +66,72 @@ def test_small_linear_rejects_bad_input():
         ops.small_linear(torch.randn(2, 16), w, out=torch.empty(2, 10, dtype=torch.bfloat16))
 
 
+def packed_reference(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64, 300])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (577, 49), (1, 1), (7, 100), (1536, 97)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear(rows, in_features, out_features, with_bias, cpu_isa):
+    # Odd in_features end on half a pair and out_features off a 48-feature panel: both edges are padding.
+    torch.manual_seed(rows * in_features + out_features)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    w = (torch.randn(out_features, in_features) / in_features**0.5).to(torch.bfloat16)
+    b = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+    packed = ops.pack_linear_weight(w)
+    assert packed.shape == (-(-out_features // 48), -(-in_features // 2), 48, 2)
+    expected = packed_reference(x, w, b)
+    out = ops.packed_linear(x, packed, out_features, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), expected, rtol=8e-3, atol=1e-2)
+    # float32 out (an LM head's logits): the float32 sums themselves, not a bfloat16 rounding of them.
+    logits = ops.packed_linear(x, packed, out_features, b, out_dtype=torch.float32)
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_reads_and_writes_strided_rows(cpu_isa):
+    torch.manual_seed(0)
+    wide = torch.randn(70, 300, dtype=torch.bfloat16)
+    x = wide[:, 13:13 + 200]  # rows 300 apart
+    w = torch.randn(100, 200, dtype=torch.bfloat16) / 15
+    out_wide = torch.full((70, 256), 7.0, dtype=torch.bfloat16)
+    out = out_wide[:, 50:150]
+    torch.ops.kvflow.packed_linear(out, x, ops.pack_linear_weight(w), None)
+    torch.testing.assert_close(out.double(), packed_reference(x, w), rtol=8e-3, atol=1e-2)
+    assert (out_wide[:, :50] == 7).all() and (out_wide[:, 150:] == 7).all(), "nothing written outside out"
+
+
+def test_packed_linear_of_no_rows_is_empty():
+    packed = ops.pack_linear_weight(torch.randn(10, 16, dtype=torch.bfloat16))
+    assert ops.packed_linear(torch.empty(0, 16, dtype=torch.bfloat16), packed, 10).shape == (0, 10)
+
+
+def test_packed_linear_rejects_bad_input():
+    w = torch.randn(100, 64, dtype=torch.bfloat16)
+    packed = ops.pack_linear_weight(w)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be bfloat16"):
+        ops.pack_linear_weight(w.float())
+    with pytest.raises(RuntimeError, match="weight must be a non-empty"):
+        ops.pack_linear_weight(torch.randn(64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="input must be bfloat16"):
+        ops.packed_linear(x.float(), packed, 100)
+    with pytest.raises(RuntimeError, match=r"input must be \[rows, in_features\] with in_features 63 or 64"):
+        ops.packed_linear(torch.randn(3, 66, dtype=torch.bfloat16), packed, 100)
+    with pytest.raises(RuntimeError, match=r"out_features in \[97, 144\]"):
+        ops.packed_linear(x, packed, 50)
+    with pytest.raises(RuntimeError, match="packed_weight must be pack_linear_weight's"):
+        ops.packed_linear(x, w, 100)
+    with pytest.raises(RuntimeError, match=r"bias must be \[100\]"):
+        ops.packed_linear(x, packed, 100, torch.randn(99, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out must be bfloat16 or float32"):
+        ops.packed_linear(x, packed, 100, out_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("rows", [9, 64, 300])
-def test_prepacked_linear_layer_matches_the_plain_one(rows):
+def test_prepacked_linear_layer_matches_the_plain_one(rows, cpu_isa):
+    # Packed for packed_linear where the kernels have AVX-512 BF16, for oneDNN on the other sets.
     from kvflow.layers import LMHead, Linear
 
     torch.manual_seed(rows)
@@ -75,8 +140,8 @@ def test_prepacked_linear_layer_matches_the_plain_one(rows):
     layer.bias.normal_()
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     plain = layer(x)
-    assert layer.prepack(), "torch's CPU build has oneDNN: bf16 weights must pack"
-    assert layer.packed_weight is not None
+    assert layer.prepack(), "bf16 CPU weights must pack (kvflow's panels, or oneDNN's layout)"
+    assert layer.packed_weight.native == (cpu_isa == "avx512_bf16")
     torch.testing.assert_close(layer(x).float(), plain.float(), **TOLERANCES[torch.bfloat16])
     torch.testing.assert_close(plain.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
                                **TOLERANCES[torch.bfloat16])

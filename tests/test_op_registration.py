@@ -51,6 +51,11 @@ def op_cases():
         "compute_logprobs": (torch.ops.kvflow.compute_logprobs, (torch.randn(3, 100), torch.tensor([1, 50, 99]), 5)),
         "small_linear": (torch.ops.kvflow.small_linear,
                          (torch.empty(3, 40), torch.randn(3, 33), torch.randn(40, 33), torch.randn(40))),
+        "pack_linear_weight": (torch.ops.kvflow.pack_linear_weight, (torch.randn(50, 33, dtype=torch.bfloat16),)),
+        "packed_linear": (torch.ops.kvflow.packed_linear,
+                          (torch.empty(3, 50, dtype=torch.bfloat16), torch.randn(3, 33, dtype=torch.bfloat16),
+                           torch.ops.kvflow.pack_linear_weight(torch.randn(50, 33, dtype=torch.bfloat16)),
+                           torch.randn(50, dtype=torch.bfloat16))),
         "llama_decoder_layer": (
             torch.ops.kvflow.llama_decoder_layer,
             (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), torch.ones(64), torch.randn(5 * 64, 64),

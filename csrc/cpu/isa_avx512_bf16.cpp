@@ -1,7 +1,7 @@
 // The CPU kernels compiled for AVX-512 (F, BW, VL, DQ) plus the BF16 extension: one instruction
-// rounds bfloat16 stores (instead of eight), and vdpbf16ps serves the bf16 paged attention and
-// small_linear kernels. Headers shared with the baseline code are included before the target
-// pragma so that only this file's own functions use these features.
+// rounds bfloat16 stores (instead of eight), and vdpbf16ps serves the bf16 paged attention,
+// small_linear and packed_linear kernels. Headers shared with the baseline code are included
+// before the target pragma so that only this file's own functions use these features.
 // GCC 12's AVX-512 unpack intrinsics pass an undefined register through a masked builtin and
 // then warn about it once inlined into the transposes here; the warning is about the header.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -29,6 +29,7 @@
 #include "kvflow/cpu/attention_avx512_bf16.h"
 #include "kvflow/cpu/kernels.h"
 #include "kvflow/cpu/linear_avx512_bf16.h"
+#include "kvflow/cpu/packed_linear_avx512_bf16.h"
 #include "kvflow/cpu/vec_avx512_bf16.h"
 
 namespace kvflow::cpu {
@@ -40,6 +41,7 @@ KernelTable make_avx512_bf16_table() {
   table.paged_attention[int(DType::kBFloat16)][1] = paged_attention_avx512_bf16<128>;
   table.paged_attention[int(DType::kBFloat16)][2] = paged_attention_avx512_bf16<256>;
   table.small_linear[int(DType::kBFloat16)] = small_linear_avx512_bf16;
+  table.packed_linear = packed_linear_panels<PackedLinearAvx512Bf16>;
   return table;
 }
 

@@ -24,8 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     threads: int | None = None            # CPU threads (default: torch's)
     seed: int = 0                         # seeds requests that bring none
-    cpu_prepack_weights: bool = True      # bf16 on CPU: a oneDNN-blocked copy of each projection for
-                                          # many-row products (faster prefill and large batches, 2x weight memory)
+    cpu_prepack_weights: bool = True      # bf16 on CPU: a packed copy of each projection for many-row
+                                          # products (faster prefill and large batches, 2x weight memory)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

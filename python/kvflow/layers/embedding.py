@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from kvflow.layers.linear import onednn_packed
+from kvflow.layers.linear import PackedWeight
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
@@ -28,7 +28,7 @@ class LMHead(nn.Module):
                  tied_to: VocabEmbedding | None = None):
         super().__init__()
         self.tied_to = tied_to
-        self.packed_weight: torch.Tensor | None = None  # as Linear.packed_weight
+        self.packed_weight: PackedWeight | None = None  # as Linear.packed_weight
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
@@ -40,13 +40,13 @@ class LMHead(nn.Module):
             torch.ops.kvflow.small_linear(logits, hidden, weight, None)
             return logits
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "").float()
+            return self.packed_weight.matmul(hidden, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden, weight).float()
 
     def prepack(self, batch_hint: int = 64) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
-        self.packed_weight = onednn_packed(self.tied_to.weight if self.tied_to is not None else self.weight,
-                                           batch_hint)
+        weight = self.tied_to.weight if self.tied_to is not None else self.weight
+        self.packed_weight = PackedWeight(weight, batch_hint) if PackedWeight.can_pack(weight) else None
         return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def prepack_linear_weights(self, batch_hint: int = 64) -> int:
-        """oneDNN-blocked copies of the projection weights for many-row products on the CPU (see
+        """Packed copies of the projection weights for many-row products on the CPU (see
         Linear.prepack); returns how many were packed."""
         return sum(module.prepack(batch_hint) for module in self.modules() if isinstance(module, (Linear, LMHead)))
 

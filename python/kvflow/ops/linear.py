@@ -1,4 +1,5 @@
-"""Linear layers: kvflow's few-row CPU kernel for decode, torch's matmul for everything else."""
+"""Linear products on the CPU: small_linear for few rows (decode), packed_linear for many
+(prefill, batched decode) from a weight reordered once by pack_linear_weight."""
 
 import torch
 
@@ -23,6 +24,24 @@ def small_linear(
     return out
 
 
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 CPU weight [out_features, in_features] reordered into the panels packed_linear
+    reads: [ceil(out_features / 48), ceil(in_features / 2), 48, 2], zero-padded. Done once, at load."""
+    return torch.ops.kvflow.pack_linear_weight(weight)
+
+
+def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """out = input @ weight.T (+ bias) on the CPU for many rows, weight given as
+    pack_linear_weight(weight) (out_features is its first dimension). input [rows, in_features]
+    and bias [out_features] bfloat16; float32 accumulation; out of out_dtype, bfloat16 or
+    float32 (logits). On CPUs with AVX-512 BF16 this runs at the machine's bf16 matmul peak."""
+    if out is None:
+        out = torch.empty((input.shape[0], out_features), dtype=out_dtype, device=input.device)
+    torch.ops.kvflow.packed_linear(out, input, packed_weight, bias)
+    return out
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch.nn.functional.linear, with few-row CPU products routed to small_linear.
 
@@ -37,4 +56,15 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 @torch.library.register_fake("kvflow::small_linear")
 def _small_linear_fake(out, input, weight, bias=None):
+    return None
+
+
+@torch.library.register_fake("kvflow::pack_linear_weight")
+def _pack_linear_weight_fake(weight):
+    panel = 48
+    return weight.new_empty(((weight.shape[0] + panel - 1) // panel, (weight.shape[1] + 1) // 2, panel, 2))
+
+
+@torch.library.register_fake("kvflow::packed_linear")
+def _packed_linear_fake(out, input, packed_weight, bias=None):
     return None

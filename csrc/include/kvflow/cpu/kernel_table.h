@@ -120,6 +120,26 @@ using SmallLinearFn = void (*)(void* out,           // [rows, out_features]
                                int64_t rows, int64_t in_features, int64_t out_features, int64_t begin,
                                int64_t end);
 
+// pack_linear_weight's layout of a bfloat16 weight [out_features, in_features]: panels of
+// kPackedLinearPanel output features; within a panel, the input features in pairs, and for each
+// pair the panel's features side by side:
+//   packed[o / kPanel][k / 2][o % kPanel][k % 2] = weight[o][k]   (zero past either edge).
+// Reading a panel is one sequential stream, and 32 consecutive values are the pair (k, k + 1)
+// of 16 features: the operand vdpbf16ps multiplies by a broadcast pair of input values.
+constexpr int64_t kPackedLinearPanel = 48;
+
+// out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for the output features of panels
+// [begin, end) of a weight in pack_linear_weight's layout: the many-row matmul of prefill and
+// batched decode. float32 accumulation; out bfloat16, or float32 (an LM head's logits).
+using PackedLinearFn = void (*)(void* out,  // [rows, out_features], row stride out_stride
+                                int64_t out_stride, bool out_is_float32,
+                                const bfloat16* x,  // [rows, in_features], row stride x_stride
+                                int64_t x_stride,
+                                const bfloat16* packed,  // [ceil(out / kPanel), ceil(in / 2), kPanel, 2]
+                                const bfloat16* bias,    // [out_features] or null
+                                int64_t rows, int64_t in_features, int64_t out_features, int64_t begin,
+                                int64_t end);
+
 struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
@@ -134,6 +154,7 @@ struct KernelTable {
   ExpSumFn exp_sum[kNumDTypes];
   CollectGreaterFn collect_greater[kNumDTypes];
   SmallLinearFn small_linear[kNumDTypes];
+  PackedLinearFn packed_linear;  // bfloat16 weights only
 };
 
 // Index of a supported attention head_dim in KernelTable::paged_attention, or -1.

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/packed_linear.h"
 #include "kvflow/cpu/vec_scalar.h"
 #include "kvflow/numeric.h"
 
@@ -426,6 +427,7 @@ KernelTable make_kernel_table(const char* isa) {
   fill_row_entries<V, float>(t, DType::kFloat32);
   fill_row_entries<V, float16>(t, DType::kFloat16);
   fill_row_entries<V, bfloat16>(t, DType::kBFloat16);
+  t.packed_linear = packed_linear_panels<PackedLinearGeneric>;
   return t;
 }
 
