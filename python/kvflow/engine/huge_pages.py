@@ -54,18 +54,31 @@ def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     return tensors
 
 
+def copy_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU tensors, one after another in a huge-page arena per dtype, in list order."""
+    copies: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        for i, copy in zip(indices, empty_in_huge_pages([tuple(tensors[i].shape) for i in indices], dtype)):
+            copy.copy_(tensors[i])
+            copies[i] = copy
+    return copies
+
+
 @torch.no_grad()
 def move_parameters_to_huge_pages(module: nn.Module) -> int:
-    """Copies every CPU parameter of `module` into one huge-page arena, in registration order (the
-    order a forward pass reads them), and points the parameters there. Returns the bytes moved."""
+    """Copies every CPU parameter of `module` into a huge-page arena, in registration order (the
+    order a forward pass reads them), and points the parameters there; likewise the packed
+    copies many-row products read (kvflow.layers.linear.PackedWeight). Returns the bytes moved."""
+    from kvflow.layers.linear import PackedWeight
+
     parameters = [p for p in module.parameters() if p.device.type == "cpu" and p.numel() > 0]
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in parameters:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    moved = 0
-    for dtype, group in by_dtype.items():
-        for p, tensor in zip(group, empty_in_huge_pages([tuple(p.shape) for p in group], dtype)):
-            tensor.copy_(p.data)
-            p.data = tensor
-            moved += tensor.numel() * tensor.element_size()
-    return moved
+    for p, copy in zip(parameters, copy_into_huge_pages([p.data for p in parameters])):
+        p.data = copy
+    packed = [m.packed_weight for m in module.modules()
+              if isinstance(getattr(m, "packed_weight", None), PackedWeight) and m.packed_weight.native]
+    for weight, copy in zip(packed, copy_into_huge_pages([w.data for w in packed])):
+        weight.data = copy
+    return sum(t.numel() * t.element_size() for t in [p.data for p in parameters] + [w.data for w in packed])
