@@ -123,6 +123,15 @@ def kv_bf16():
     return load_model(None, torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def kv_bf16_packed():
+    """bfloat16 as the engine runs it on the CPU: products of more than 8 rows read packed copies
+    of the weights (packed_linear with AVX-512 BF16, oneDNN's prepacked matmul elsewhere)."""
+    lm = load_model(None, torch.bfloat16)
+    assert lm.model.prepack_linear_weights() == 4 * lm.config.num_layers + 1  # and the LM head
+    return lm
+
+
 def hf_prompt_ids(hf_tokenizer, name: str) -> list[int]:
     if name in PLAIN_PROMPTS:
         return hf_tokenizer.encode(PLAIN_PROMPTS[name])
@@ -241,6 +250,25 @@ def test_bfloat16_stays_close_to_float32_reference(kv_bf16, hf_reference, record
         record_property(f"bf16_max_abs_logit_error[{name}]", error)
         assert error < BF16_LOGIT_SANITY, f"{name}: bfloat16 logits off by {error:.3f}"
     assert sum(first_token_agrees) >= math.ceil(BF16_FIRST_TOKEN_AGREEMENT * len(PROMPT_NAMES)), first_token_agrees
+
+
+def test_bfloat16_with_packed_weights_is_as_close_to_the_reference(kv_bf16, kv_bf16_packed, hf_reference,
+                                                                    record_property):
+    """The packed path (the prompts longer than 8 tokens take it in prefill) against the float32
+    reference, next to the plain bfloat16 path: its logit error is of the same size, and its top
+    token agrees with the plain path's wherever the reference's top two are not a near-tie."""
+    for name in PROMPT_NAMES:
+        ref = hf_reference[name]
+        packed = kvflow_prompt_logits(kv_bf16_packed, ref.prompt_ids)
+        plain = kvflow_prompt_logits(kv_bf16, ref.prompt_ids)
+        packed_error = (packed - ref.prompt_logits).abs().max().item()
+        plain_error = (plain - ref.prompt_logits).abs().max().item()
+        record_property(f"bf16_packed_max_abs_logit_error[{name}]", packed_error)
+        assert packed_error < BF16_LOGIT_SANITY, f"{name}: packed bfloat16 logits off by {packed_error:.3f}"
+        assert packed_error < 2 * plain_error + 0.1, f"{name}: packed {packed_error:.3f} vs plain {plain_error:.3f}"
+        top2 = ref.prompt_logits.topk(2).values
+        if top2[0] - top2[1] > 1.0:
+            assert packed.argmax() == plain.argmax() == ref.prompt_logits.argmax(), name
 
 
 @pytest.mark.parametrize("name", PROMPT_NAMES)
