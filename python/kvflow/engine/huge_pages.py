@@ -14,6 +14,8 @@ import sys
 import torch
 from torch import nn
 
+from kvflow.layers.linear import PackedWeight
+
 _HUGE_PAGE = 2 << 20
 _PAGE = 4096
 _ALIGN = _PAGE  # every tensor carved from an arena starts on a page boundary
@@ -72,8 +74,6 @@ def move_parameters_to_huge_pages(module: nn.Module) -> int:
     """Copies every CPU parameter of `module` into a huge-page arena, in registration order (the
     order a forward pass reads them), and points the parameters there; likewise the packed
     copies many-row products read (kvflow.layers.linear.PackedWeight). Returns the bytes moved."""
-    from kvflow.layers.linear import PackedWeight
-
     parameters = [p for p in module.parameters() if p.device.type == "cpu" and p.numel() > 0]
     for p, copy in zip(parameters, copy_into_huge_pages([p.data for p in parameters])):
         p.data = copy
