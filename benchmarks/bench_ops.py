@@ -160,8 +160,6 @@ def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
     F.linear and oneDNN's matmul on a weight prepacked for the batch size (torch.ops.mkldnn,
     what torch.compile's CPU backend and IPEX use). Each pass runs over every copy of a model's
     worth of weights (>= 200 MB), so that they come from memory, as a model's layers do."""
-    from kvflow.layers.linear import PackedWeight
-
     lines = ["", "packed_linear, bfloat16 weights from memory: GFLOP/s (time per product)", "",
              "| rows x in -> out | kvflow | oneDNN prepacked | F.linear | vs oneDNN |", "|---|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
@@ -171,7 +169,8 @@ def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
         ours = [ops.pack_linear_weight(w) for w in weights]
         for rows in rows_grid:
             onednn = ([torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-                      if PackedWeight.can_pack(weights[0]) and torch.backends.mkldnn.is_available() else None)
+                      if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                      else None)
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
             out = torch.empty(rows, out_features, dtype=torch.bfloat16)
             flops = 2 * rows * in_features * out_features

@@ -46,7 +46,7 @@ class LMHead(nn.Module):
     def prepack(self, batch_hint: int = 64) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        self.packed_weight = PackedWeight(weight, batch_hint) if PackedWeight.can_pack(weight) else None
+        self.packed_weight = PackedWeight.of(weight, batch_hint)
         return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

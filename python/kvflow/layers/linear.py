@@ -24,12 +24,16 @@ class PackedWeight:
         else:
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
 
-    @staticmethod
-    def can_pack(weight: torch.Tensor) -> bool:
+    @classmethod
+    def of(cls, weight: torch.Tensor, batch_hint: int = 64) -> "PackedWeight | None":
+        """The packed copy of `weight`, or None where it cannot be packed (another dtype or
+        device, or neither kvflow's kernel nor oneDNN here)."""
         if not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
-            return False
-        return ops.cpu_isa() == "avx512_bf16" or (torch.backends.mkldnn.is_available()
-                                                  and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            return None
+        if ops.cpu_isa() != "avx512_bf16" and not (torch.backends.mkldnn.is_available()
+                                                   and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            return None
+        return cls(weight, batch_hint)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -67,7 +71,7 @@ class Linear(nn.Module):
         """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where the
         weight cannot be packed (another dtype or device)."""
-        self.packed_weight = PackedWeight(self.weight, batch_hint) if PackedWeight.can_pack(self.weight) else None
+        self.packed_weight = PackedWeight.of(self.weight, batch_hint)
         return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
