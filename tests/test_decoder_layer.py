@@ -62,6 +62,30 @@ def test_fused_layer_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu
     assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
 
 
+
+def test_fused_layer_follows_the_module_after_it_is_converted():
+    """The fused path gathers the layer's tensors once; converting the model (.to) must not leave
+    it running on the tensors from before. With overwrite_module_params_on_conversion, .to
+    replaces the parameters themselves rather than their data."""
+    model = small_model(torch.bfloat16)
+    layer = model.layers[0]
+    hidden, residual, _, md = step_inputs(model, [37], [1], torch.bfloat16)
+    layer.forward_fused_cpu(hidden.clone(), residual.clone(), step_inputs(model, [37], [1], torch.bfloat16)[2][0], md)
+
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    _, _, kv, md = step_inputs(model, [37], [1], torch.float32)
+    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
+    out, res = layer.forward_op_by_op(hidden.float(), residual.float(), kv[0], md)
+    fused_hidden, fused_residual = hidden.float(), residual.float()
+    layer.forward_fused_cpu(fused_hidden, fused_residual, kv_fused[0], md)
+    assert torch.equal(fused_hidden, out)
+    assert torch.equal(fused_residual, res)
+
 def reference_layer(layer, hidden, residual, keys, values, positions, config):
     """Plain float32 PyTorch for one request whose past keys/values (rotated) are given."""
     def rms(x, w):
