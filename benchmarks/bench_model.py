@@ -42,15 +42,19 @@ def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     ttfts, tpots, floor_ratios = [], [], []
+    # The read bandwidth right before and right after each run, averaged: this VM's bandwidth
+    # moves by 1.5x from one minute to the next, so a floor measured once drifts away from the
+    # runs it judges, and one measured only before a run misses a change during it.
+    bandwidth_before = read_bandwidth("cpu")
     for i in range(repeat + 1):
-        # The read bandwidth right before each run: this VM's bandwidth moves by 1.5x from one
-        # minute to the next, so a floor measured once drifts away from the runs it judges.
-        bandwidth = read_bandwidth("cpu")
         metrics = llm.generate([ids], params, use_tqdm=False)[0].metrics
+        bandwidth_after = read_bandwidth("cpu")
         if i:  # the first run warms up
             ttfts.append(metrics.ttft)
             tpots.append(metrics.tpot)
+            bandwidth = (bandwidth_before + bandwidth_after) / 2
             floor_ratios.append(metrics.tpot / (weight_bytes / (bandwidth * 1e9)))
+        bandwidth_before = bandwidth_after
     return {"load": llm.engine.load_seconds, "ttft": statistics.median(ttfts), "tpot": statistics.median(tpots),
             "weight_bytes": weight_bytes, "floor_ratios": floor_ratios}
 
@@ -122,7 +126,8 @@ def main():
         ratios = ours["floor_ratios"]
         lines += ["", f"decode floor: {ours['weight_bytes'] / 1e6:.0f} MB of bf16 weights / {bandwidth:.1f} GB/s = "
                       f"{floor * 1e3:.2f} ms; kvflow bf16 TPOT = {ours['tpot'] / floor:.2f}x the floor",
-                  f"each run against the bandwidth measured just before it: {statistics.median(ratios):.2f}x the "
+                  f"each run against the mean of the bandwidths measured just before and after it: "
+                  f"{statistics.median(ratios):.2f}x the "
                   f"floor (median of {len(ratios)}; {min(ratios):.2f}-{max(ratios):.2f})"]
         if "HF float32" in results:
             hf = results["HF float32"]

@@ -88,8 +88,9 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
   auto pack_chunk = [&](int64_t first_slot, int64_t kv_head, int n) {
     const bfloat16* k_rows = static_cast<const bfloat16*>(a.key_cache) + first_slot * kv_row_stride + kv_head * HD;
     const bfloat16* v_rows = static_cast<const bfloat16*>(a.value_cache) + first_slot * kv_row_stride + kv_head * HD;
+    // A masked load rather than a branch per row: rows past n load nothing and read as zeros.
     auto row_block = [&](const bfloat16* base, int j, int b) {
-      return j < n ? _mm512_loadu_si512(base + j * kv_row_stride + b * 32) : _mm512_setzero_si512();
+      return _mm512_maskz_loadu_epi16(__mmask32(0u - uint32_t(j < n)), base + j * kv_row_stride + b * 32);
     };
     for (int g = 0; g < kPairs / 16; ++g) {
       __m512i r[16];
@@ -140,15 +141,17 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
         const __mmask16 valid = __mmask16(((1u << (hi - c0)) - 1u) & ~((1u << (lo - c0)) - 1u));
 
         const bfloat16* q = static_cast<const bfloat16*>(a.query) + row_token(r) * a.q_stride + row_head(r) * HD;
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
-               s3 = _mm512_setzero_ps();
-        for (int p = 0; p < kPairs; p += 4) {
-          s0 = dot_bf16(s0, k_t[p], _mm512_set1_epi32(load_pair(q + 2 * p)));
-          s1 = dot_bf16(s1, k_t[p + 1], _mm512_set1_epi32(load_pair(q + 2 * p + 2)));
-          s2 = dot_bf16(s2, k_t[p + 2], _mm512_set1_epi32(load_pair(q + 2 * p + 4)));
-          s3 = dot_bf16(s3, k_t[p + 3], _mm512_set1_epi32(load_pair(q + 2 * p + 6)));
+        // Eight independent sums: each vdpbf16ps waits for the previous one into the same sum.
+        __m512 partial[8];
+        for (int j = 0; j < 8; ++j) partial[j] = _mm512_setzero_ps();
+        for (int p = 0; p < kPairs; p += 8) {
+          for (int j = 0; j < 8; ++j) {
+            partial[j] = dot_bf16(partial[j], k_t[p + j], _mm512_set1_epi32(load_pair(q + 2 * (p + j))));
+          }
         }
-        __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)), _mm512_set1_ps(a.scale));
+        for (int j = 0; j < 4; ++j) partial[j] = _mm512_add_ps(partial[j], partial[j + 4]);
+        __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(partial[0], partial[1]), _mm512_add_ps(partial[2], partial[3])),
+                                 _mm512_set1_ps(a.scale));
         if (a.soft_cap > 0.f) {
           const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(-2.f / a.soft_cap)));
           const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(2.f), VecAvx512::reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f), e)),
@@ -167,11 +170,23 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
         __m512 acc[2 * kBlocks];
         const __m512 vcorr = _mm512_set1_ps(correction);
         for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * b), vcorr);
-        for (int i = int(lo - c0) / 2; i <= int(hi - c0 - 1) / 2; ++i) {
+        // Odd key pairs into a second set of sums, for twice the independent chains.
+        __m512 acc_odd[2 * kBlocks];
+        for (int b = 0; b < 2 * kBlocks; ++b) acc_odd[b] = _mm512_setzero_ps();
+        const int pair_hi = int(hi - c0 - 1) / 2;
+        int i = int(lo - c0) / 2;
+        for (; i + 1 <= pair_hi; i += 2) {
+          const __m512i pp = _mm512_set1_epi32(p_pairs[i]), pp_odd = _mm512_set1_epi32(p_pairs[i + 1]);
+          for (int b = 0; b < 2 * kBlocks; ++b) {
+            acc[b] = dot_bf16(acc[b], v_pairs[i * 2 * kBlocks + b], pp);
+            acc_odd[b] = dot_bf16(acc_odd[b], v_pairs[(i + 1) * 2 * kBlocks + b], pp_odd);
+          }
+        }
+        if (i <= pair_hi) {
           const __m512i pp = _mm512_set1_epi32(p_pairs[i]);
           for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = dot_bf16(acc[b], v_pairs[i * 2 * kBlocks + b], pp);
         }
-        for (int b = 0; b < 2 * kBlocks; ++b) _mm512_storeu_ps(acc_row + 16 * b, acc[b]);
+        for (int b = 0; b < 2 * kBlocks; ++b) _mm512_storeu_ps(acc_row + 16 * b, _mm512_add_ps(acc[b], acc_odd[b]));
       }
     }
 
