@@ -20,6 +20,7 @@ namespace {
 constexpr int64_t kRowsPerTile = 32;
 // Fewer keys than this per split cost more in merging than they gain in parallelism.
 constexpr int64_t kMinKeysPerSplit = 256;
+constexpr int64_t kMaxItemsPerGrab = 8;
 
 void validate_metadata(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens,
                        const int32_t* block_tables, int64_t max_query_len, int64_t max_seq_len) {
@@ -150,8 +151,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       active_kernels().paged_attention[int(g.dtype)][attention_head_dim_index(g.head_dim)];
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   std::atomic<int64_t> next{0};
+  // Several items at a time where there are many: the kernel asks for the next item's first keys
+  // while it ends one (measured: batch 64 x 208 keys from memory, 0.45 ms one at a time, 0.41 four
+  // at a time), and at least four grabs per thread keep the hand-out balanced.
+  const int64_t items_per_grab = std::clamp<int64_t>(num_items / (4 * threads), 1, kMaxItemsPerGrab);
   at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) kernel(args, plan.items.data(), i, i + 1);
+    for (int64_t i = next.fetch_add(items_per_grab); i < num_items; i = next.fetch_add(items_per_grab)) {
+      kernel(args, plan.items.data(), i, std::min(i + items_per_grab, num_items));
+    }
   });
   if (plan.max_splits > 1) {
     at::parallel_for(0, g.num_tokens, 1, [&](int64_t begin, int64_t end) {

@@ -96,6 +96,20 @@ struct NextChunkPrefetch {
   }
 };
 
+// The keys an item's rows may see: from the 16-key chunk holding the first, to hi (exclusive).
+struct KeyRange {
+  int64_t first_chunk;
+  int64_t hi;
+};
+
+inline KeyRange item_keys(const PagedAttentionArgs& a, const AttentionWorkItem& it) {
+  const int64_t q_len = a.cu_seqlens_q[it.request + 1] - a.cu_seqlens_q[it.request];
+  const int64_t first_pos = a.seq_lens[it.request] - q_len + it.q_begin;
+  int64_t lo = it.key_begin;
+  if (a.sliding_window > 0) lo = std::max<int64_t>(lo, first_pos - a.sliding_window + 1);
+  return {lo / kKeyChunk * kKeyChunk, std::min<int64_t>(it.key_end, first_pos + it.q_count)};
+}
+
 // The most rows (query tokens x query heads) any of items [begin, end) holds: the scratch size.
 inline int64_t max_item_rows(const AttentionWorkItem* items, int64_t begin, int64_t end, int64_t group) {
   int64_t max_rows = 0;
@@ -159,13 +173,18 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
 
     // Keys any row of the tile may see.
     const int64_t first_pos = context_start + it.q_begin;
-    const int64_t last_pos = first_pos + it.q_count - 1;
-    const int64_t key_hi = std::min<int64_t>(it.key_end, last_pos + 1);
-    int64_t key_lo = it.key_begin;
-    if (a.sliding_window > 0) key_lo = std::max<int64_t>(key_lo, first_pos - a.sliding_window + 1);
+    const KeyRange keys = item_keys(a, it);
+    const int64_t key_hi = keys.hi;
 
-    for (int64_t c0 = key_lo / kKeyChunk * kKeyChunk; c0 < key_hi; c0 += kKeyChunk) {
-      const NextChunkPrefetch<T> prefetch(a, block_table, c0 + kKeyChunk, key_hi, rows);
+    for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += kKeyChunk) {
+      // The next chunk of this item or, at its last, the first of the next item.
+      NextChunkPrefetch<T> prefetch(a, block_table, c0 + kKeyChunk, key_hi, rows);
+      if (c0 + kKeyChunk >= key_hi && item_index + 1 < end) {
+        const AttentionWorkItem& next = items[item_index + 1];
+        const KeyRange next_keys = item_keys(a, next);
+        prefetch = NextChunkPrefetch<T>(a, a.block_tables + next.request * a.max_blocks_per_seq, next_keys.first_chunk,
+                                        next_keys.hi, rows);
+      }
       const int n = int(std::min<int64_t>(kKeyChunk, key_hi - c0));
       const int64_t block = block_table[c0 / a.block_size];
       const int64_t first_slot = block * a.block_size + c0 % a.block_size;

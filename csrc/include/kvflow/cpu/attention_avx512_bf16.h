@@ -122,12 +122,19 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
     std::fill(m_rows.begin(), m_rows.begin() + rows, neg_inf);
     std::fill(l_rows.begin(), l_rows.begin() + rows, 0.f);
 
-    const int64_t key_hi = std::min<int64_t>(it.key_end, first_pos + it.q_count);
-    int64_t key_lo = it.key_begin;
-    if (a.sliding_window > 0) key_lo = std::max<int64_t>(key_lo, first_pos - a.sliding_window + 1);
+    const KeyRange keys = item_keys(a, it);
+    const int64_t key_hi = keys.hi;
 
-    for (int64_t c0 = key_lo / 16 * 16; c0 < key_hi; c0 += 16) {
-      const NextChunkPrefetch<bfloat16> prefetch(a, block_table, c0 + 16, key_hi, rows);
+    for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += 16) {
+      // The next chunk of this item or, at its last, the first of the next item: the items
+      // come in pairs (see paged_attention), so that one's first chunk is not a cold start.
+      NextChunkPrefetch<bfloat16> prefetch(a, block_table, c0 + 16, key_hi, rows);
+      if (c0 + 16 >= key_hi && item_index + 1 < end) {
+        const AttentionWorkItem& next = items[item_index + 1];
+        const KeyRange next_keys = item_keys(a, next);
+        prefetch = NextChunkPrefetch<bfloat16>(a, a.block_tables + next.request * a.max_blocks_per_seq,
+                                               next_keys.first_chunk, next_keys.hi, rows);
+      }
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
       for (int64_t r = 0; r < rows; ++r) {
