@@ -18,8 +18,9 @@ void small_linear(at::Tensor& out,                     // [rows, out_features]
                   const std::optional<at::Tensor>& bias);  // [out_features]
 
 // CPU only: a bfloat16 weight [out_features, in_features] reordered into packed_linear's panels,
-// [ceil(out_features / 48), ceil(in_features / 2), 48, 2] (see kernel_table.h).
-at::Tensor pack_linear_weight(const at::Tensor& weight);
+// [ceil(out_features / 48), ceil(in_features / 2), 48, 2] (see kernel_table.h). With gate_up, the
+// [gate; up] weight of a gated MLP for packed_silu_and_mul: [ceil(out_features / 48), ...] too.
+at::Tensor pack_linear_weight(const at::Tensor& weight, bool gate_up);
 
 // CPU only: out = input @ weight^T (+ bias) for many rows (prefill, batched decode), weight
 // given as pack_linear_weight made it; out bfloat16 or float32.
@@ -27,6 +28,13 @@ void packed_linear(at::Tensor& out,                        // [rows, out_feature
                    const at::Tensor& input,                // [rows, in_features] bfloat16
                    const at::Tensor& packed_weight,        // pack_linear_weight(weight)
                    const std::optional<at::Tensor>& bias);  // [out_features] bfloat16
+
+// CPU only: out = silu(input @ gate^T) * (input @ up^T) for many rows, the gate|up weight given
+// as pack_linear_weight(weight, gate_up=True) made it: the gated MLP's activation in the
+// product's epilogue.
+void packed_silu_and_mul(at::Tensor& out,                    // [rows, d] bfloat16
+                         const at::Tensor& input,            // [rows, in_features] bfloat16
+                         const at::Tensor& packed_gate_up);  // pack_linear_weight(weight [2d, in_features], true)
 
 // CPU only: a whole Llama decoder layer for a few tokens (decode), in place on hidden and residual.
 void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hidden_size]: in, then the layer's output

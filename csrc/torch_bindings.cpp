@@ -56,9 +56,12 @@ TORCH_LIBRARY(kvflow, m) {
   // out = input @ weight^T (+ bias) for a few rows (decode), reading the weights once. CPU only.
   m.def("small_linear(Tensor! out, Tensor input, Tensor weight, Tensor? bias=None) -> ()");
   // A bfloat16 weight reordered once into the panels packed_linear reads. CPU only.
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  // With gate_up, a gated MLP's [gate; up] weight, in the order packed_silu_and_mul reads it.
+  m.def("pack_linear_weight(Tensor weight, bool gate_up=False) -> Tensor");
   // out = input @ weight^T (+ bias) for many rows, from pack_linear_weight(weight). CPU only.
   m.def("packed_linear(Tensor! out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
+  // out = silu(input @ gate^T) * (input @ up^T) from pack_linear_weight(weight, gate_up=True). CPU only.
+  m.def("packed_silu_and_mul(Tensor! out, Tensor input, Tensor packed_gate_up) -> ()");
   m.def(
       "llama_decoder_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor input_norm_weight, "
       "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor post_norm_weight, Tensor gate_up_weight, "
@@ -83,6 +86,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("small_linear", &kvflow::cpu::small_linear);
   m.impl("pack_linear_weight", &kvflow::cpu::pack_linear_weight);
   m.impl("packed_linear", &kvflow::cpu::packed_linear);
+  m.impl("packed_silu_and_mul", &kvflow::cpu::packed_silu_and_mul);
   m.impl("llama_decoder_layer", &kvflow::cpu::llama_decoder_layer);
 }
 

@@ -1,4 +1,5 @@
-"""small_linear and packed_linear (and the layers that route to them) against float32 PyTorch.
+"""small_linear, packed_linear and packed_silu_and_mul (and the layers that route to them) against
+float32 PyTorch.
 Both are CPU ops (on CUDA torch's matmul serves every batch size), run here on every
 instruction set."""
 
@@ -127,6 +128,62 @@ def test_packed_linear_rejects_bad_input():
         ops.packed_linear(x, packed, 100, torch.randn(99, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="out must be bfloat16 or float32"):
         ops.packed_linear(x, packed, 100, out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 64, 300])
+@pytest.mark.parametrize("in_features,d", [(576, 1536), (33, 40), (64, 24), (7, 25)])
+def test_packed_silu_and_mul(rows, in_features, d, cpu_isa):
+    # d off the 24-feature half panel (25, 40) pads both halves of the last panel.
+    torch.manual_seed(rows * in_features + d)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    w = (torch.randn(2 * d, in_features) / in_features**0.5).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w, gate_up=True)
+    assert packed.shape == (-(-d // 24), -(-in_features // 2), 48, 2)
+    gate_up = packed_reference(x, w)
+    expected = F.silu(gate_up[:, :d]) * gate_up[:, d:]
+    out = ops.packed_silu_and_mul(x, packed, d)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, d)
+    torch.testing.assert_close(out.double(), expected, rtol=8e-3, atol=1e-2)
+
+
+def test_packed_silu_and_mul_writes_only_its_rows_and_rejects_bad_input():
+    torch.manual_seed(0)
+    w = torch.randn(50, 64, dtype=torch.bfloat16) / 8
+    packed = ops.pack_linear_weight(w, gate_up=True)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    out_wide = torch.full((5, 40), 7.0, dtype=torch.bfloat16)
+    out = out_wide[:, 10:35]
+    torch.ops.kvflow.packed_silu_and_mul(out, x, packed)
+    gate_up = packed_reference(x, w)
+    torch.testing.assert_close(out.double(), F.silu(gate_up[:, :25]) * gate_up[:, 25:], rtol=8e-3, atol=1e-2)
+    assert (out_wide[:, :10] == 7).all() and (out_wide[:, 35:] == 7).all(), "nothing written outside out"
+    with pytest.raises(RuntimeError, match="out_features must be even"):
+        ops.pack_linear_weight(torch.randn(51, 64, dtype=torch.bfloat16), gate_up=True)
+    with pytest.raises(RuntimeError, match=r"out_features in \[25, 48\]"):
+        ops.packed_silu_and_mul(x, packed, 50)  # the plain product's width, not d
+    with pytest.raises(RuntimeError, match="out must be bfloat16"):
+        torch.ops.kvflow.packed_silu_and_mul(torch.empty(5, 25), x, packed)
+    with pytest.raises(RuntimeError, match=r"input must be \[rows, in_features\]"):
+        ops.packed_silu_and_mul(torch.randn(5, 66, dtype=torch.bfloat16), packed, 25)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_gate_up_layer_gives_silu_and_mul_packed_or_not(rows, cpu_isa):
+    from kvflow.layers import GateUpLinear
+
+    torch.manual_seed(rows)
+    layer = GateUpLinear(576, 1536, dtype=torch.bfloat16)
+    layer.weight.normal_(std=0.05)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    gate_up = F.linear(x.float(), layer.weight.float())
+    expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    # Unpacked, gate and up are rounded to bfloat16 before the product is (three roundings).
+    plain = layer.silu_and_mul(x)
+    torch.testing.assert_close(plain.float(), expected, rtol=2e-2, atol=2e-2)
+    assert layer.prepack()
+    assert layer.packed_weight.gate_up == (cpu_isa == "avx512_bf16")
+    torch.testing.assert_close(layer.silu_and_mul(x).float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer(x).float(), gate_up, **TOLERANCES[torch.bfloat16])  # the plain product still
 
 
 @pytest.mark.parametrize("rows", [9, 64, 300])

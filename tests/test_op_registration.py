@@ -56,6 +56,10 @@ def op_cases():
                           (torch.empty(3, 50, dtype=torch.bfloat16), torch.randn(3, 33, dtype=torch.bfloat16),
                            torch.ops.kvflow.pack_linear_weight(torch.randn(50, 33, dtype=torch.bfloat16)),
                            torch.randn(50, dtype=torch.bfloat16))),
+        "packed_silu_and_mul": (torch.ops.kvflow.packed_silu_and_mul,
+                                (torch.empty(3, 25, dtype=torch.bfloat16), torch.randn(3, 33, dtype=torch.bfloat16),
+                                 torch.ops.kvflow.pack_linear_weight(torch.randn(50, 33, dtype=torch.bfloat16),
+                                                                     True))),
         "llama_decoder_layer": (
             torch.ops.kvflow.llama_decoder_layer,
             (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), torch.ones(64), torch.randn(5 * 64, 64),

@@ -8,9 +8,9 @@ Hooks registered on these modules therefore do not run."""
 from kvflow.layers.activation import SiluAndMul
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.embedding import LMHead, VocabEmbedding
-from kvflow.layers.linear import Linear, MergedLinear
+from kvflow.layers.linear import GateUpLinear, Linear, MergedLinear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 
-__all__ = ["LMHead", "Linear", "MergedLinear", "PagedAttention", "RMSNorm", "RotaryEmbedding", "SiluAndMul",
+__all__ = ["GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "RMSNorm", "RotaryEmbedding", "SiluAndMul",
            "VocabEmbedding"]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvflow.attention_metadata import AttentionMetadata
-from kvflow.layers import (LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul,
+from kvflow.layers import (GateUpLinear, LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding,
                            VocabEmbedding)
 from kvflow.layers.linear import copy_checked
 from kvflow.models.config import ModelConfig
@@ -41,12 +41,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, dtype=dtype)
-        self.act = SiluAndMul()
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(hidden))
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 

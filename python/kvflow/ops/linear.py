@@ -24,10 +24,13 @@ def small_linear(
     return out
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """A bfloat16 CPU weight [out_features, in_features] reordered into the panels packed_linear
-    reads: [ceil(out_features / 48), ceil(in_features / 2), 48, 2], zero-padded. Done once, at load."""
-    return torch.ops.kvflow.pack_linear_weight(weight)
+    reads: [ceil(out_features / 48), ceil(in_features / 2), 48, 2], zero-padded. Done once, at load.
+
+    With gate_up, weight is a gated MLP's [gate; up] stack [2d, in_features], packed for
+    packed_silu_and_mul instead: each panel holds 24 gate features and the 24 matching up ones."""
+    return torch.ops.kvflow.pack_linear_weight(weight, gate_up)
 
 
 def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
@@ -39,6 +42,18 @@ def packed_linear(input: torch.Tensor, packed_weight: torch.Tensor, out_features
     if out is None:
         out = torch.empty((input.shape[0], out_features), dtype=out_dtype, device=input.device)
     torch.ops.kvflow.packed_linear(out, input, packed_weight, bias)
+    return out
+
+
+def packed_silu_and_mul(input: torch.Tensor, packed_gate_up: torch.Tensor, d: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(input @ gate.T) * (input @ up.T) on the CPU for many rows, the gate|up weight [2d,
+    in_features] given as pack_linear_weight(weight, gate_up=True): the activation runs on the
+    product's float32 accumulators, and the [rows, 2d] product is never written. input
+    [rows, in_features] bfloat16; out [rows, d] bfloat16."""
+    if out is None:
+        out = torch.empty((input.shape[0], d), dtype=torch.bfloat16, device=input.device)
+    torch.ops.kvflow.packed_silu_and_mul(out, input, packed_gate_up)
     return out
 
 
@@ -60,9 +75,14 @@ def _small_linear_fake(out, input, weight, bias=None):
 
 
 @torch.library.register_fake("kvflow::pack_linear_weight")
-def _pack_linear_weight_fake(weight):
+def _pack_linear_weight_fake(weight, gate_up=False):
     panel = 48
     return weight.new_empty(((weight.shape[0] + panel - 1) // panel, (weight.shape[1] + 1) // 2, panel, 2))
+
+
+@torch.library.register_fake("kvflow::packed_silu_and_mul")
+def _packed_silu_and_mul_fake(out, input, packed_gate_up):
+    return None
 
 
 @torch.library.register_fake("kvflow::packed_linear")

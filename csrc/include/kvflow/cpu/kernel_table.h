@@ -127,12 +127,18 @@ using SmallLinearFn = void (*)(void* out,           // [rows, out_features]
 // Reading a panel is one sequential stream, and 32 consecutive values are the pair (k, k + 1)
 // of 16 features: the operand vdpbf16ps multiplies by a broadcast pair of input values.
 constexpr int64_t kPackedLinearPanel = 48;
+// The gate|up weight [2d, in_features] of a gated MLP, packed with gate_up: panel p holds gate
+// features [24p, 24p + 24) in its first half and the matching up features in its second, so
+// that silu(gate) * up comes out of one panel's accumulators (packed_silu_and_mul).
+constexpr int64_t kGateUpHalfPanel = kPackedLinearPanel / 2;
 
 // out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for the output features of panels
 // [begin, end) of a weight in pack_linear_weight's layout: the many-row matmul of prefill and
-// batched decode. float32 accumulation; out bfloat16, or float32 (an LM head's logits).
+// batched decode. float32 accumulation; out bfloat16, or float32 (an LM head's logits). With
+// silu_and_mul, the weight is packed with gate_up and out[r, o] = silu(gate) * up for the
+// out_features = d features of each half (bfloat16 out, no bias).
 using PackedLinearFn = void (*)(void* out,  // [rows, out_features], row stride out_stride
-                                int64_t out_stride, bool out_is_float32,
+                                int64_t out_stride, bool out_is_float32, bool silu_and_mul,
                                 const bfloat16* x,  // [rows, in_features], row stride x_stride
                                 int64_t x_stride,
                                 const bfloat16* packed,  // [ceil(out / kPanel), ceil(in / 2), kPanel, 2]

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "kvflow/cpu/kernel_table.h"
@@ -17,13 +18,15 @@ struct PackedLinearPanel {
   void* out;  // [rows, out_features], row stride out_stride
   int64_t out_stride;
   bool out_is_float32;
+  bool silu_and_mul;  // a gate_up panel: out = silu(first half) * second half
   const bfloat16* x;  // [rows, in_features], row stride x_stride
   int64_t x_stride;
   const bfloat16* w;     // the panel: [ceil(in_features / 2)][kPackedLinearPanel][2]
   const bfloat16* bias;  // [out_features] or null
   int64_t in_features;
   int64_t first;  // the panel's first output feature
-  int width;      // how many of its kPackedLinearPanel features exist (fewer in the last panel)
+  int width;      // how many of its output features exist: up to kPackedLinearPanel, or up to
+                  // kGateUpHalfPanel with silu_and_mul (fewer in the last panel)
 };
 
 // Calls Kernel::run<rows>(panel, r0) for a runtime row count of 1 to kRows.
@@ -45,16 +48,18 @@ inline void run_panel_rows(int rows, const PackedLinearPanel& panel, int64_t r0)
 constexpr int64_t kRowChunk = 256;
 
 template <class Kernel>
-void packed_linear_panels(void* out, int64_t out_stride, bool out_is_float32, const bfloat16* x, int64_t x_stride,
-                          const bfloat16* packed, const bfloat16* bias, int64_t rows, int64_t in_features,
-                          int64_t out_features, int64_t begin, int64_t end) {
+void packed_linear_panels(void* out, int64_t out_stride, bool out_is_float32, bool silu_and_mul, const bfloat16* x,
+                          int64_t x_stride, const bfloat16* packed, const bfloat16* bias, int64_t rows,
+                          int64_t in_features, int64_t out_features, int64_t begin, int64_t end) {
   const int64_t panel_elems = (in_features + 1) / 2 * 2 * kPackedLinearPanel;
+  const int64_t features_per_panel = silu_and_mul ? kGateUpHalfPanel : kPackedLinearPanel;
   for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * kPackedLinearPanel;
-      const PackedLinearPanel panel{out, out_stride, out_is_float32, x, x_stride, packed + p * panel_elems, bias,
-                                    in_features, first, int(std::min(kPackedLinearPanel, out_features - first))};
+      const int64_t first = p * features_per_panel;
+      const PackedLinearPanel panel{out, out_stride, out_is_float32, silu_and_mul, x, x_stride,
+                                    packed + p * panel_elems, bias, in_features, first,
+                                    int(std::min(features_per_panel, out_features - first))};
       for (int64_t r0 = chunk; r0 < chunk_end; r0 += Kernel::kMaxRows) {
         run_panel_rows<Kernel>(int(std::min<int64_t>(Kernel::kMaxRows, chunk_end - r0)), panel, r0);
       }
@@ -86,6 +91,14 @@ struct PackedLinearGeneric {
       }
     }
     for (int r = 0; r < kRows; ++r) {
+      if (p.silu_and_mul) {
+        for (int j = 0; j < p.width; ++j) {
+          const float gate = acc[r][j], up = acc[r][kGateUpHalfPanel + j];
+          static_cast<bfloat16*>(p.out)[(r0 + r) * p.out_stride + p.first + j] =
+              from_float<bfloat16>(gate / (1.f + std::exp(-gate)) * up);
+        }
+        continue;
+      }
       for (int j = 0; j < p.width; ++j) {
         const int64_t o = p.first + j;
         const float y = p.bias == nullptr ? acc[r][j] : acc[r][j] + to_float(p.bias[o]);

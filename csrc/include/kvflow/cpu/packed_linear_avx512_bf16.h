@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "kvflow/cpu/packed_linear.h"
+#include "kvflow/cpu/vec_avx512.h"
 #include "kvflow/numeric.h"
 
 namespace kvflow::cpu {
@@ -21,6 +22,31 @@ namespace {
 struct PackedLinearAvx512Bf16 {
   static constexpr int kMaxRows = 8;
   static constexpr int kVectors = int(kPackedLinearPanel / 16);
+  static_assert(kVectors == 3 && kGateUpHalfPanel == 24, "the gate_up epilogue splits three vectors in halves");
+
+  // A gate_up panel's 48 accumulators per row are gate 0-15 | gate 16-23, up 0-7 | up 8-23:
+  // silu(x) = x / (1 + exp(-x)) as in silu_and_mul, times the matching up values gathered
+  // across the vector boundary.
+  template <int kRows>
+  static void store_silu_and_mul(const PackedLinearPanel& p, int64_t r0, const __m512 (&acc)[kRows][kVectors]) {
+    const __m512i up_lo_index = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i up_hi_index = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __mmask16 lo_mask = __mmask16((1u << std::clamp(p.width, 0, 16)) - 1u);
+    const __mmask16 hi_mask = __mmask16((1u << std::clamp(p.width - 16, 0, 8)) - 1u);
+    auto silu = [](__m512 x) {
+      return _mm512_mul_ps(x, VecAvx512::reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                   VecAvx512::exp(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+    };
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 up_lo = _mm512_permutex2var_ps(acc[r][1], up_lo_index, acc[r][2]);
+      const __m512 up_hi = _mm512_permutexvar_ps(up_hi_index, acc[r][2]);
+      bfloat16* y = static_cast<bfloat16*>(p.out) + (r0 + r) * p.out_stride + p.first;
+      _mm256_mask_storeu_epi16(y, lo_mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu(acc[r][0]), up_lo)));
+      if (hi_mask != 0) {
+        _mm256_mask_storeu_epi16(y + 16, hi_mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu(acc[r][1]), up_hi)));
+      }
+    }
+  }
 
   template <int kRows>
   static void run(const PackedLinearPanel& p, int64_t r0) {
@@ -54,6 +80,10 @@ struct PackedLinearAvx512Bf16 {
       step(inputs);
     }
 
+    if (p.silu_and_mul) {
+      store_silu_and_mul<kRows>(p, r0, acc);
+      return;
+    }
     for (int v = 0; v < kVectors; ++v) {
       const int lanes = std::clamp(p.width - 16 * v, 0, 16);
       if (lanes == 0) break;
