@@ -36,7 +36,8 @@ void packed_silu_and_mul(at::Tensor& out,                    // [rows, d] bfloat
                          const at::Tensor& input,            // [rows, in_features] bfloat16
                          const at::Tensor& packed_gate_up);  // pack_linear_weight(weight [2d, in_features], true)
 
-// CPU only: a whole Llama decoder layer for a few tokens (decode), in place on hidden and residual.
+// CPU only: a whole Llama decoder layer, in place on hidden and residual: for a few tokens
+// (decode) on the plain weights, or for many on packed ones.
 void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hidden_size]: in, then the layer's output
                          at::Tensor& residual,                // [num_tokens, hidden_size]
                          const at::Tensor& positions,         // [num_tokens] int64
@@ -55,7 +56,12 @@ void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hi
                          const at::Tensor& cu_seqlens_q,      // [batch + 1] int32
                          const at::Tensor& seq_lens,          // [batch] int32
                          int64_t num_heads, int64_t num_kv_heads, double epsilon, double scale,
-                         int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window);
+                         int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                         // All four or none: the weights as pack_linear_weight made them (gate_up for
+                         // gate_up_packed), for many rows; without them, small_linear on the weights.
+                         const std::optional<at::Tensor>& qkv_packed, const std::optional<at::Tensor>& o_packed,
+                         const std::optional<at::Tensor>& gate_up_packed,
+                         const std::optional<at::Tensor>& down_packed);
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -67,7 +67,8 @@ TORCH_LIBRARY(kvflow, m) {
       "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor post_norm_weight, Tensor gate_up_weight, "
       "Tensor down_weight, Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
       "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int num_heads, int num_kv_heads, float epsilon, "
-      "float scale, int max_query_len, int max_seq_len, int sliding_window=-1) -> ()");
+      "float scale, int max_query_len, int max_seq_len, int sliding_window=-1, Tensor? qkv_packed=None, "
+      "Tensor? o_packed=None, Tensor? gate_up_packed=None, Tensor? down_packed=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {

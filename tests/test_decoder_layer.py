@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvflow import ops
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.models.config import ModelConfig
@@ -62,6 +63,31 @@ def test_fused_layer_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu
     assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
 
 
+
+
+@pytest.mark.parametrize("variant", ["plain", "qkv_bias"])
+def test_fused_layer_on_packed_weights_equals_op_by_op(variant, cpu_isa):
+    """Batched decode and prefill rows (more than small_linear takes) on prepacked bfloat16
+    weights: with kvflow's own panels (AVX-512 BF16) the fused op runs packed_linear and
+    packed_silu_and_mul; elsewhere the weights are oneDNN's and the layer stays op by op."""
+    model = small_model(torch.bfloat16, attention_bias=variant == "qkv_bias")
+    model.prepack_linear_weights()
+    layer = model.layers[0]
+    native = cpu_isa == "avx512_bf16"
+    assert (layer.fused_cpu_args()[-1] is not None) == native
+    hidden, residual, kv, md = step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16)
+    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
+    out, res = layer.forward_op_by_op(hidden.clone(), residual.clone(), kv[0], md)
+    fused_hidden, fused_residual = layer(hidden.clone(), residual.clone(), kv_fused[0], md)
+    assert torch.equal(fused_hidden, out)
+    assert torch.equal(fused_residual, res)
+    assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
+    with pytest.raises(RuntimeError, match="come together"):
+        args = layer.fused_cpu_args()
+        torch.ops.kvflow.llama_decoder_layer(
+            hidden.clone(), residual.clone(), md.positions, *args[:8], kv_fused[0][0], kv_fused[0][1], md.slot_mapping,
+            md.block_tables, md.cu_seqlens_q, md.seq_lens, *args[8:12], md.max_query_len, md.max_seq_len, args[12],
+            ops.pack_linear_weight(layer.self_attn.qkv_proj.weight), None, None, None)
 
 def test_fused_layer_follows_the_module_after_it_is_converted():
     """The fused path gathers the layer's tensors once; converting the model (.to) must not leave

@@ -13,6 +13,11 @@ def op_cases():
     w = torch.randn(111)
     qkv = torch.randn(5, 15 * 64)
     cache = torch.randn(4, 16, 3, 64)
+    bf16_cache = torch.randn(2, 16, 1, 64, dtype=torch.bfloat16)
+
+    def bf16(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16)
+
     return {
         "rms_norm": (torch.ops.kvflow.rms_norm, (torch.empty(7, 111), x, w, 1e-6, 0.0)),
         "fused_add_rms_norm": (torch.ops.kvflow.fused_add_rms_norm, (x.clone(), torch.randn(7, 111), w, 1e-6, 1.0)),
@@ -67,6 +72,15 @@ def op_cases():
              ops.compute_cos_sin_cache(64, 32), cache[:, :, :1].clone(), cache[:, :, :1].clone(), torch.tensor([3, 23]),
              torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
              torch.tensor([4, 8], dtype=torch.int32), 3, 1, 1e-5, 0.125, 1, 8, -1),
+        ),
+        "llama_decoder_layer (packed weights)": (
+            torch.ops.kvflow.llama_decoder_layer,
+            (bf16(10, 64), bf16(10, 64), torch.arange(10), bf16(64), bf16(5 * 64, 64), None, bf16(64, 192), bf16(64),
+             bf16(256, 64), bf16(64, 128), ops.compute_cos_sin_cache(64, 32), bf16_cache.clone(), bf16_cache.clone(),
+             torch.arange(10), torch.tensor([[0]], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32),
+             torch.tensor([10], dtype=torch.int32), 3, 1, 1e-5, 0.125, 10, 10, -1,
+             ops.pack_linear_weight(bf16(5 * 64, 64)), ops.pack_linear_weight(bf16(64, 192)),
+             ops.pack_linear_weight(bf16(256, 64), gate_up=True), ops.pack_linear_weight(bf16(64, 128))),
         ),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,

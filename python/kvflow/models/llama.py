@@ -62,8 +62,10 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += hidden, then the layer; returns (its output, the residual stream)."""
-        if hidden.is_cpu and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
-            return self.forward_fused_cpu(hidden, residual, kv_cache, metadata)
+        if hidden.is_cpu:
+            args = self._fused_cpu_args or self.fused_cpu_args()
+            if hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS or args[-1] is not None:
+                return self.forward_fused_cpu(hidden, residual, kv_cache, metadata)
         return self.forward_op_by_op(hidden, residual, kv_cache, metadata)
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -77,26 +79,36 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused_cpu(self, hidden, residual, kv_cache, metadata):
         """The same kernels in the same order as forward_op_by_op, called from C++ in one op
         (kvflow::llama_decoder_layer): at decode, per-op dispatch would otherwise cost more than
-        several layers' attention. Writes the output into hidden."""
+        several layers' attention. A few rows read the plain weights (small_linear), more read
+        the packed ones. Writes the output into hidden."""
         (input_norm, qkv, qkv_bias, o_proj, post_norm, gate_up, down, cos_sin_cache, num_heads, num_kv_heads, eps,
-         scale, sliding_window) = self._fused_cpu_args or self.fused_cpu_args()
+         scale, sliding_window, packed) = self._fused_cpu_args or self.fused_cpu_args()
+        if packed is not None and hidden.shape[0] > SMALL_LINEAR_MAX_ROWS:
+            qkv_packed, o_packed, gate_up_packed, down_packed = (p.data for p in packed)
+        else:
+            qkv_packed = o_packed = gate_up_packed = down_packed = None
         torch.ops.kvflow.llama_decoder_layer(
             hidden, residual, metadata.positions, input_norm, qkv, qkv_bias, o_proj, post_norm, gate_up, down,
             cos_sin_cache, kv_cache[0], kv_cache[1], metadata.slot_mapping, metadata.block_tables,
             metadata.cu_seqlens_q, metadata.seq_lens, num_heads, num_kv_heads, eps, scale, metadata.max_query_len,
-            metadata.max_seq_len, sliding_window)
+            metadata.max_seq_len, sliding_window, qkv_packed, o_packed, gate_up_packed, down_packed)
         return hidden, residual
 
     def fused_cpu_args(self) -> tuple:
         """The layer's weights and constants for llama_decoder_layer, gathered once: looking them
         up through nn.Module attributes on every call cost about 25 us a layer, some 0.8 ms of a
-        10 ms batch-1 decode step. Dropped whenever the module's tensors are replaced (_apply)."""
+        10 ms batch-1 decode step. Last, the PackedWeights of its four projections where all are
+        kvflow's own panels (their .data read per call, so that moving them stays visible), else
+        None. Dropped whenever the module's tensors are replaced (_apply) or repacked."""
         attn, mlp = self.self_attn, self.mlp
+        packed = (attn.qkv_proj.packed_weight, attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
+                  mlp.down_proj.packed_weight)
+        native = all(p is not None and p.native for p in packed) and packed[2].gate_up
         self._fused_cpu_args = (
             self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
             self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             attn.rotary.cos_sin_cache, attn.attn.num_heads, attn.attn.num_kv_heads, self.input_layernorm.eps,
-            attn.attn.scale, attn.attn.sliding_window)
+            attn.attn.scale, attn.attn.sliding_window, packed if native else None)
         return self._fused_cpu_args
 
     def _apply(self, fn, *args, **kwargs):
@@ -135,7 +147,10 @@ class LlamaForCausalLM(nn.Module):
     def prepack_linear_weights(self, batch_hint: int = 64) -> int:
         """Packed copies of the projection weights for many-row products on the CPU (see
         Linear.prepack); returns how many were packed."""
-        return sum(module.prepack(batch_hint) for module in self.modules() if isinstance(module, (Linear, LMHead)))
+        packed = sum(module.prepack(batch_hint) for module in self.modules() if isinstance(module, (Linear, LMHead)))
+        for layer in self.layers:
+            layer._fused_cpu_args = None  # gathered again, with the new packed weights
+        return packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters

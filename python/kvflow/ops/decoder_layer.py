@@ -1,4 +1,5 @@
-"""A whole Llama-family decoder layer as one CPU op, for decode (few tokens)."""
+"""A whole Llama-family decoder layer as one CPU op: for decode on the plain weights (few tokens),
+or on packed ones (many)."""
 
 import torch
 
@@ -7,7 +8,8 @@ def llama_decoder_layer(hidden, residual, positions, input_norm_weight, qkv_weig
                         post_norm_weight, gate_up_weight, down_weight, cos_sin_cache, key_cache, value_cache,
                         slot_mapping, block_tables, cu_seqlens_q, seq_lens, num_heads: int, num_kv_heads: int,
                         epsilon: float, scale: float, max_query_len: int, max_seq_len: int,
-                        sliding_window: int = -1) -> None:
+                        sliding_window: int = -1, qkv_packed=None, o_packed=None, gate_up_packed=None,
+                        down_packed=None) -> None:
     """In place, for hidden, residual [num_tokens, hidden_size] (CPU):
 
         residual += hidden; x = rms_norm(residual) * input_norm_weight
@@ -18,17 +20,21 @@ def llama_decoder_layer(hidden, residual, positions, input_norm_weight, qkv_weig
 
     exactly as fused_add_rms_norm, small_linear, rotary_embedding, reshape_and_cache,
     paged_attention and silu_and_mul compute them one by one (same kernels, same order), without
-    a dispatch per op. Attention arguments as in paged_attention.
+    a dispatch per op. Attention arguments as in paged_attention. With the four packed weights
+    (pack_linear_weight of qkv, o and down, and of gate_up with gate_up=True), the products run
+    through packed_linear and packed_silu_and_mul instead: the path for many rows.
     """
     torch.ops.kvflow.llama_decoder_layer(
         hidden, residual, positions, input_norm_weight, qkv_weight, qkv_bias, o_weight, post_norm_weight,
         gate_up_weight, down_weight, cos_sin_cache, key_cache, value_cache, slot_mapping, block_tables, cu_seqlens_q,
-        seq_lens, num_heads, num_kv_heads, epsilon, scale, max_query_len, max_seq_len, sliding_window)
+        seq_lens, num_heads, num_kv_heads, epsilon, scale, max_query_len, max_seq_len, sliding_window, qkv_packed,
+        o_packed, gate_up_packed, down_packed)
 
 
 @torch.library.register_fake("kvflow::llama_decoder_layer")
 def _llama_decoder_layer_fake(hidden, residual, positions, input_norm_weight, qkv_weight, qkv_bias, o_weight,
                               post_norm_weight, gate_up_weight, down_weight, cos_sin_cache, key_cache, value_cache,
                               slot_mapping, block_tables, cu_seqlens_q, seq_lens, num_heads, num_kv_heads, epsilon,
-                              scale, max_query_len, max_seq_len, sliding_window=-1):
+                              scale, max_query_len, max_seq_len, sliding_window=-1, qkv_packed=None, o_packed=None,
+                              gate_up_packed=None, down_packed=None):
     return None
