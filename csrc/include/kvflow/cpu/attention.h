@@ -207,7 +207,8 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
         float chunk_max = neg_inf;
         for (int j = j_lo; j < j_hi; ++j) chunk_max = std::max(chunk_max, sc[j]);
         const float m_new = std::max(m_rows[r], chunk_max);
-        const float correction = std::exp(m_rows[r] - m_new);  // 0 on the first chunk
+        // 0 on the first chunk; 1 whenever the max holds, which is most chunks after the first few.
+        const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
         for (int jb = 0; jb < kKeyChunk; jb += W) {
           V::store(p + jb, V::exp(V::sub(V::load(sc + jb), V::set1(m_new))));
         }

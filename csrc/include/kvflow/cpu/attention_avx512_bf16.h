@@ -167,7 +167,8 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
         }
         s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, s);
         const float m_new = std::max(m_rows[r], VecAvx512::reduce_max(s));
-        const float correction = std::exp(m_rows[r] - m_new);
+        // 1 whenever the max holds, which is most chunks after the first few.
+        const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
         const __m512 p = _mm512_maskz_mov_ps(valid, VecAvx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
         l_rows[r] = l_rows[r] * correction + VecAvx512::reduce_add(p);
         m_rows[r] = m_new;
