@@ -29,15 +29,15 @@ class PackedWeight:
             self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, batch_hint: int = 64) -> "PackedWeight | None":
+    def of(cls, weight: torch.Tensor, batch_hint: int = 64, gate_up: bool = False) -> "PackedWeight | None":
         """The packed copy of `weight`, or None where it cannot be packed (another dtype or
-        device, or neither kvflow's kernel nor oneDNN here)."""
+        device, or neither kvflow's kernel nor oneDNN here). gate_up needs kvflow's kernel."""
         if not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
             return None
         if ops.cpu_isa() != "avx512_bf16" and not (torch.backends.mkldnn.is_available()
                                                    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return None
-        return cls(weight, batch_hint)
+        return cls(weight, batch_hint, gate_up)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -136,10 +136,8 @@ class GateUpLinear(MergedLinear):
 
     def prepack(self, batch_hint: int = 64) -> bool:
         """As Linear.prepack; with kvflow's AVX-512 BF16 kernels, packed for silu_and_mul."""
-        if ops.cpu_isa() == "avx512_bf16" and PackedWeight.of(self.weight, batch_hint) is not None:
-            self.packed_weight = PackedWeight(self.weight, batch_hint, gate_up=True)
-            return True
-        return super().prepack(batch_hint)
+        self.packed_weight = PackedWeight.of(self.weight, batch_hint, gate_up=ops.cpu_isa() == "avx512_bf16")
+        return self.packed_weight is not None
 
 
 def copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> None:
