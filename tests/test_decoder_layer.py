@@ -46,6 +46,17 @@ def step_inputs(model, context_lens, new_lens, dtype):
     return hidden, residual, kv, md
 
 
+def assert_fused_equals_op_by_op(layer, fused, hidden, residual, kv, md):
+    """fused (the layer's fused path, or its forward) against forward_op_by_op on copies of the
+    same inputs: hidden state, residual stream and this layer's KV cache, bit for bit."""
+    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
+    out, res = layer.forward_op_by_op(hidden.clone(), residual.clone(), kv[0], md)
+    fused_hidden, fused_residual = fused(hidden.clone(), residual.clone(), kv_fused[0], md)
+    assert torch.equal(fused_hidden, out)
+    assert torch.equal(fused_residual, res)
+    assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context_lens,new_lens", [([37], [1]), ([5, 70, 0], [1, 1, 3]), ([200], [8])])
 @pytest.mark.parametrize("variant", ["plain", "qkv_bias", "sliding_window"])
@@ -53,16 +64,7 @@ def test_fused_layer_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu
     model = small_model(dtype, attention_bias=variant == "qkv_bias",
                         sliding_window=24 if variant == "sliding_window" else None)
     layer = model.layers[0]
-    hidden, residual, kv, md = step_inputs(model, context_lens, new_lens, dtype)
-    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
-    out, res = layer.forward_op_by_op(hidden.clone(), residual.clone(), kv[0], md)
-    fused_hidden, fused_residual = hidden.clone(), residual.clone()
-    layer.forward_fused_cpu(fused_hidden, fused_residual, kv_fused[0], md)
-    assert torch.equal(fused_hidden, out)
-    assert torch.equal(fused_residual, res)
-    assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
-
-
+    assert_fused_equals_op_by_op(layer, layer.forward_fused_cpu, *step_inputs(model, context_lens, new_lens, dtype))
 
 
 @pytest.mark.parametrize("variant", ["plain", "qkv_bias"])
@@ -76,18 +78,14 @@ def test_fused_layer_on_packed_weights_equals_op_by_op(variant, cpu_isa):
     native = cpu_isa == "avx512_bf16"
     assert (layer.fused_cpu_args()[-1] is not None) == native
     hidden, residual, kv, md = step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16)
-    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
-    out, res = layer.forward_op_by_op(hidden.clone(), residual.clone(), kv[0], md)
-    fused_hidden, fused_residual = layer(hidden.clone(), residual.clone(), kv_fused[0], md)
-    assert torch.equal(fused_hidden, out)
-    assert torch.equal(fused_residual, res)
-    assert torch.equal(kv_fused[0][0], kv[0][0]) and torch.equal(kv_fused[0][1], kv[0][1])
+    assert_fused_equals_op_by_op(layer, layer, hidden, residual, kv, md)
+    args = layer.fused_cpu_args()
     with pytest.raises(RuntimeError, match="come together"):
-        args = layer.fused_cpu_args()
         torch.ops.kvflow.llama_decoder_layer(
-            hidden.clone(), residual.clone(), md.positions, *args[:8], kv_fused[0][0], kv_fused[0][1], md.slot_mapping,
+            hidden.clone(), residual.clone(), md.positions, *args[:8], kv[0][0], kv[0][1], md.slot_mapping,
             md.block_tables, md.cu_seqlens_q, md.seq_lens, *args[8:12], md.max_query_len, md.max_seq_len, args[12],
             ops.pack_linear_weight(layer.self_attn.qkv_proj.weight), None, None, None)
+
 
 def test_fused_layer_follows_the_module_after_it_is_converted():
     """The fused path gathers the layer's tensors once; converting the model (.to) must not leave
@@ -105,12 +103,8 @@ def test_fused_layer_follows_the_module_after_it_is_converted():
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
     _, _, kv, md = step_inputs(model, [37], [1], torch.float32)
-    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
-    out, res = layer.forward_op_by_op(hidden.float(), residual.float(), kv[0], md)
-    fused_hidden, fused_residual = hidden.float(), residual.float()
-    layer.forward_fused_cpu(fused_hidden, fused_residual, kv_fused[0], md)
-    assert torch.equal(fused_hidden, out)
-    assert torch.equal(fused_residual, res)
+    assert_fused_equals_op_by_op(layer, layer.forward_fused_cpu, hidden.float(), residual.float(), kv, md)
+
 
 def reference_layer(layer, hidden, residual, keys, values, positions, config):
     """Plain float32 PyTorch for one request whose past keys/values (rotated) are given."""

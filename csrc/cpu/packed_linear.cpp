@@ -54,7 +54,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, bool gate_up) {
 
 namespace {
 
-// The checks packed_linear and packed_silu_and_mul share; returns out's feature count.
+// The checks packed_linear and packed_silu_and_mul share: input, packed weight, and out's shape for
+// features_per_panel output features per panel.
 void check_packed_product(const at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                           int64_t features_per_panel, const char* packed_by) {
   check_bfloat16(input, "input");
