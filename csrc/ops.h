@@ -3,6 +3,7 @@
 // them; the schemas there are the public contract.
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -62,6 +63,20 @@ void llama_decoder_layer(at::Tensor& hidden,                  // [num_tokens, hi
                          const std::optional<at::Tensor>& qkv_packed, const std::optional<at::Tensor>& o_packed,
                          const std::optional<at::Tensor>& gate_up_packed,
                          const std::optional<at::Tensor>& down_packed);
+
+// CPU only: llama_decoder_layer for every layer of a model in one call, layer i reading entry i of
+// each list (qkv_biases entries may be None; the four packed lists are all empty or all full).
+void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                          at::TensorList input_norm_weights, at::TensorList qkv_weights,
+                          const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
+                          at::TensorList post_norm_weights, at::TensorList gate_up_weights,
+                          at::TensorList down_weights, const at::Tensor& cos_sin_cache, at::TensorList key_caches,
+                          at::TensorList value_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                          int64_t num_heads, int64_t num_kv_heads, double epsilon, double scale,
+                          int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                          at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
+                          at::TensorList down_packed);
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -69,6 +69,15 @@ TORCH_LIBRARY(kvflow, m) {
       "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int num_heads, int num_kv_heads, float epsilon, "
       "float scale, int max_query_len, int max_seq_len, int sliding_window=-1, Tensor? qkv_packed=None, "
       "Tensor? o_packed=None, Tensor? gate_up_packed=None, Tensor? down_packed=None) -> ()");
+  // llama_decoder_layer over every layer in one call: entry i of each list is layer i's.
+  m.def(
+      "llama_decoder_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] input_norm_weights, "
+      "Tensor[] qkv_weights, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] post_norm_weights, "
+      "Tensor[] gate_up_weights, Tensor[] down_weights, Tensor cos_sin_cache, Tensor(c!)[] key_caches, "
+      "Tensor(d!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
+      "int num_heads, int num_kv_heads, float epsilon, float scale, int max_query_len, int max_seq_len, "
+      "int sliding_window, Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, "
+      "Tensor[] down_packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -89,6 +98,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("packed_linear", &kvflow::cpu::packed_linear);
   m.impl("packed_silu_and_mul", &kvflow::cpu::packed_silu_and_mul);
   m.impl("llama_decoder_layer", &kvflow::cpu::llama_decoder_layer);
+  m.impl("llama_decoder_layers", &kvflow::cpu::llama_decoder_layers);
 }
 
 #ifdef KVFLOW_WITH_CUDA

@@ -1,7 +1,8 @@
-"""The fused CPU decoder layer (kvflow::llama_decoder_layer, taken at decode) against the same
-layer run op by op: the same kernels in the same order, so hidden state, residual stream and KV
-cache must agree bit for bit; and the op-by-op layer against plain float32 PyTorch, so that the
-pair cannot agree on a wrong answer."""
+"""The fused CPU decoder layer (kvflow::llama_decoder_layer) and the fused stack of layers
+(kvflow::llama_decoder_layers, what the model runs on the CPU) against the same layers run op by
+op: the same kernels in the same order, so hidden state, residual stream and KV cache must agree
+bit for bit; and the op-by-op layer against plain float32 PyTorch, so that they cannot agree on a
+wrong answer."""
 
 import pytest
 import torch
@@ -104,6 +105,97 @@ def test_fused_layer_follows_the_module_after_it_is_converted():
         torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
     _, _, kv, md = step_inputs(model, [37], [1], torch.float32)
     assert_fused_equals_op_by_op(layer, layer.forward_fused_cpu, hidden.float(), residual.float(), kv, md)
+
+
+def assert_stack_equals_op_by_op(model, hidden, residual, kv, md):
+    """model.forward_fused_cpu (every layer in one llama_decoder_layers call) against the layers
+    run op by op, one after the other, on copies of the same inputs: bit for bit, every cache."""
+    kv_fused = [(k.clone(), v.clone()) for k, v in kv]
+    out, res = hidden.clone(), residual.clone()
+    for layer, layer_kv in zip(model.layers, kv):
+        out, res = layer.forward_op_by_op(out, res, layer_kv, md)
+    fused_hidden, fused_residual = hidden.clone(), residual.clone()
+    assert model.forward_fused_cpu(fused_hidden, fused_residual, md, kv_fused)
+    assert torch.equal(fused_hidden, out)
+    assert torch.equal(fused_residual, res)
+    for (key, value), (fused_key, fused_value) in zip(kv, kv_fused):
+        assert torch.equal(fused_key, key) and torch.equal(fused_value, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,new_lens", [([37], [1]), ([5, 70, 0], [1, 1, 3])])
+@pytest.mark.parametrize("variant", ["plain", "qkv_bias", "sliding_window"])
+def test_fused_stack_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu_isa):
+    model = small_model(dtype, attention_bias=variant == "qkv_bias",
+                        sliding_window=24 if variant == "sliding_window" else None)
+    assert_stack_equals_op_by_op(model, *step_inputs(model, context_lens, new_lens, dtype))
+
+
+@pytest.mark.parametrize("variant", ["plain", "qkv_bias"])
+def test_fused_stack_on_packed_weights_equals_op_by_op(variant, cpu_isa):
+    """Many rows: the stack runs only where every layer has kvflow's own packed panels (AVX-512
+    BF16); elsewhere the model declines it and runs the layers one by one."""
+    model = small_model(torch.bfloat16, attention_bias=variant == "qkv_bias")
+    model.prepack_linear_weights()
+    hidden, residual, kv, md = step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16)
+    if cpu_isa == "avx512_bf16":
+        assert_stack_equals_op_by_op(model, hidden, residual, kv, md)
+    else:
+        assert not model.forward_fused_cpu(hidden.clone(), residual.clone(), md, kv)
+
+
+def stack_call_args(model, hidden, residual, kv, md):
+    """The arguments of one llama_decoder_layers call, as lists that a test can spoil."""
+    (input_norms, qkvs, biases, o_projs, post_norms, gate_ups, downs, cos_sin, heads, kv_heads, eps, scale, window,
+     _) = model.fused_cpu_stack_args()
+    return dict(hidden=hidden, residual=residual, positions=md.positions, input_norm_weights=list(input_norms),
+                qkv_weights=list(qkvs), qkv_biases=list(biases), o_weights=list(o_projs),
+                post_norm_weights=list(post_norms), gate_up_weights=list(gate_ups), down_weights=list(downs),
+                cos_sin_cache=cos_sin, key_caches=[k for k, _ in kv], value_caches=[v for _, v in kv],
+                slot_mapping=md.slot_mapping, block_tables=md.block_tables, cu_seqlens_q=md.cu_seqlens_q,
+                seq_lens=md.seq_lens, num_heads=heads, num_kv_heads=kv_heads, epsilon=eps, scale=scale,
+                max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, sliding_window=window)
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (lambda a: a["o_weights"].pop(), "o_weights has 1 entries, but input_norm_weights has 2"),
+    (lambda a: a["value_caches"].append(a["value_caches"][0]), "value_caches has 3 entries"),
+    (lambda a: a.update(o_weights=[a["o_weights"][0], a["o_weights"][1][:, :64]]),
+     r"layer 1: o_weight must have shape \[192, 384\]"),
+    (lambda a: a.update(down_weights=[a["down_weights"][0], a["down_weights"][1].float()]),
+     "layer 1: down_weight has dtype Float but hidden has dtype BFloat16"),
+    (lambda a: a.update(key_caches=[a["key_caches"][0], a["key_caches"][1][..., :32]]),
+     r"layer 1: key_cache must have shape"),
+    (lambda a: a.update(qkv_packed=[a["qkv_weights"][0]] * 2), "come together"),
+])
+def test_fused_stack_rejects_a_bad_layer_before_running_any(spoil, message):
+    """A mistake in the last layer is found before the first one runs: hidden, residual and
+    every cache come back untouched."""
+    model = small_model(torch.bfloat16)
+    hidden, residual, kv, md = step_inputs(model, [37, 4], [1, 1], torch.bfloat16)
+    before = [t.clone() for t in (hidden, residual, *[c for pair in kv for c in pair])]
+    args = stack_call_args(model, hidden, residual, kv, md)
+    spoil(args)
+    with pytest.raises(RuntimeError, match=message):
+        ops.llama_decoder_layers(**args)
+    for old, new in zip(before, (hidden, residual, *[c for pair in kv for c in pair])):
+        assert torch.equal(old, new)
+
+
+def test_fused_stack_follows_the_layers_after_conversion():
+    """The stack's argument lists are rebuilt once any layer has regathered its own (after .to,
+    or repacking), so a converted model never runs on the tensors from before."""
+    model = small_model(torch.bfloat16)
+    hidden, residual, kv, md = step_inputs(model, [37], [1], torch.bfloat16)
+    assert model.forward_fused_cpu(hidden.clone(), residual.clone(), md, kv)
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    hidden, residual, kv, md = step_inputs(model, [37], [1], torch.float32)
+    assert_stack_equals_op_by_op(model, hidden, residual, kv, md)
 
 
 def reference_layer(layer, hidden, residual, keys, values, positions, config):

@@ -82,6 +82,16 @@ def op_cases():
              ops.pack_linear_weight(bf16(5 * 64, 64)), ops.pack_linear_weight(bf16(64, 192)),
              ops.pack_linear_weight(bf16(256, 64), gate_up=True), ops.pack_linear_weight(bf16(64, 128))),
         ),
+        "llama_decoder_layers": (
+            torch.ops.kvflow.llama_decoder_layers,
+            (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), [torch.ones(64)] * 2,
+             [torch.randn(5 * 64, 64), torch.randn(5 * 64, 64)], [None, torch.randn(5 * 64)],
+             [torch.randn(64, 192)] * 2, [torch.ones(64)] * 2, [torch.randn(256, 64)] * 2, [torch.randn(64, 128)] * 2,
+             ops.compute_cos_sin_cache(64, 32), [cache[:, :, :1].clone(), cache[:, :, :1].clone()],
+             [cache[:, :, :1].clone(), cache[:, :, :1].clone()], torch.tensor([3, 23]),
+             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+             torch.tensor([4, 8], dtype=torch.int32), 3, 1, 1e-5, 0.125, 1, 8, -1, [], [], [], []),
+        ),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -1,15 +1,138 @@
-// One Llama-family decoder layer on the CPU, as one op. At batch-1 decode the weights stream at
-// memory speed through small_linear, and what remains is the cost of calling a dozen ops per
-// layer from Python through the dispatcher (about 2 us each, some 0.5 ms per step of a 30-layer
-// model). With the layer's packed weights it serves many rows too (batched decode), through
-// packed_linear and packed_silu_and_mul. This op makes those calls in C++: the same kernels, in
-// the same order, so its result is bit for bit the one of the layer-by-layer path.
+// Llama-family decoder layers on the CPU, as one op per layer (llama_decoder_layer) or one op for
+// the whole stack (llama_decoder_layers). At batch-1 decode the weights stream at memory speed
+// through small_linear, and what remains is the cost of calling ops from Python through the
+// dispatcher: a dozen per layer op by op (about 2 us each), and still some 20 us per layer for
+// one call with 28 arguments. The stack op pays that once per step and allocates the layers'
+// scratch tensors once. With the layers' packed weights it serves many rows too (batched decode,
+// prefill), through packed_linear and packed_silu_and_mul. Both make the same kernel calls in the
+// same order as the layer-by-layer path, so their result is bit for bit that path's.
 #include <ATen/ops/empty.h>
 
 #include "op_checks.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
+namespace {
+
+struct LayerWeights {
+  const at::Tensor& input_norm;
+  const at::Tensor& qkv;
+  const at::Tensor& o;
+  const at::Tensor& post_norm;
+  const at::Tensor& gate_up;
+  const at::Tensor& down;
+  const std::optional<at::Tensor>& qkv_bias;
+  // All four or none: pack_linear_weight of qkv, o and down, and of gate_up with gate_up=true.
+  const at::Tensor* qkv_packed;
+  const at::Tensor* o_packed;
+  const at::Tensor* gate_up_packed;
+  const at::Tensor* down_packed;
+};
+
+// What every layer of one step shares: the batch's attention metadata and the model's shape.
+struct StepArgs {
+  const at::Tensor& positions;
+  const at::Tensor& cos_sin_cache;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_tables;
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& seq_lens;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double epsilon, scale;
+  int64_t max_query_len, max_seq_len, sliding_window;
+};
+
+// The intermediate tensors of one layer, reused by every layer of a stack.
+struct Scratch {
+  at::Tensor qkv, attention, projected, activated, gate_up;
+
+  Scratch(const at::Tensor& hidden, const StepArgs& s, int64_t intermediate, bool packed) {
+    const int64_t tokens = hidden.size(0);
+    const auto options = hidden.options();
+    qkv = at::empty({tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim}, options);
+    attention = at::empty({tokens, s.num_heads, s.head_dim}, options);
+    projected = at::empty({tokens, hidden.size(1)}, options);
+    activated = at::empty({tokens, intermediate}, options);
+    if (!packed) gate_up = at::empty({tokens, 2 * intermediate}, options);
+  }
+};
+
+// The shapes, dtypes and devices of one layer's weights and caches (the kernels check the rest).
+void check_layer(const at::Tensor& hidden, const LayerWeights& w, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const StepArgs& s, const std::string& where) {
+  const int64_t hidden_size = hidden.size(1), q_size = s.num_heads * s.head_dim;
+  const int64_t qkv_rows = q_size + 2 * s.num_kv_heads * s.head_dim;
+  auto check_weight = [&](const at::Tensor& t, const char* name, c10::IntArrayRef shape) {
+    check_like(t, (where + name).c_str(), hidden, "hidden");
+    TORCH_CHECK(t.sizes() == shape, where, name, " must have shape ", shape, ", got ", t.sizes());
+  };
+  check_weight(w.input_norm, "input_norm_weight", {hidden_size});
+  check_weight(w.qkv, "qkv_weight", {qkv_rows, hidden_size});
+  if (w.qkv_bias.has_value()) check_weight(*w.qkv_bias, "qkv_bias", {qkv_rows});
+  check_weight(w.o, "o_weight", {hidden_size, q_size});
+  check_weight(w.post_norm, "post_norm_weight", {hidden_size});
+  TORCH_CHECK(w.gate_up.dim() == 2 && w.gate_up.size(0) % 2 == 0, where,
+              "gate_up_weight must stack gate and up rows, got shape ", w.gate_up.sizes());
+  check_weight(w.gate_up, "gate_up_weight", {w.gate_up.size(0), hidden_size});
+  check_weight(w.down, "down_weight", {hidden_size, w.gate_up.size(0) / 2});
+  const std::vector<int64_t> cache_shape{key_cache.dim() == 4 ? key_cache.size(0) : -1,
+                                         key_cache.dim() == 4 ? key_cache.size(1) : -1, s.num_kv_heads, s.head_dim};
+  check_weight(key_cache, "key_cache", cache_shape);
+  check_weight(value_cache, "value_cache", cache_shape);
+}
+
+// residual += hidden, then the layer; its output goes to hidden.
+void run_layer(at::Tensor& hidden, at::Tensor& residual, const LayerWeights& w, at::Tensor& key_cache,
+               at::Tensor& value_cache, const StepArgs& s, Scratch& scratch) {
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+  // Products through packed_linear where the layer's weights were packed (many rows), else
+  // small_linear (a few rows, reading the plain weights once).
+  auto project = [&](at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor* packed,
+                     const std::optional<at::Tensor>& bias) {
+    if (packed != nullptr) {
+      packed_linear(out, x, *packed, bias);
+    } else {
+      small_linear(out, x, weight, bias);
+    }
+  };
+
+  fused_add_rms_norm(hidden, residual, w.input_norm, s.epsilon, 0.0);
+  project(scratch.qkv, hidden, w.qkv, w.qkv_packed, w.qkv_bias);
+  at::Tensor query = scratch.qkv.narrow(1, 0, q_size);
+  const at::Tensor key = scratch.qkv.narrow(1, q_size, kv_size);
+  const at::Tensor value = scratch.qkv.narrow(1, q_size + kv_size, kv_size);
+  rotary_embedding(s.positions, query, key, s.head_dim, s.cos_sin_cache, /*is_neox=*/true);
+  reshape_and_cache(key.view({tokens, s.num_kv_heads, s.head_dim}), value.view({tokens, s.num_kv_heads, s.head_dim}),
+                    key_cache, value_cache, s.slot_mapping);
+  paged_attention(scratch.attention, query.view({tokens, s.num_heads, s.head_dim}), key_cache, value_cache,
+                  s.block_tables, s.cu_seqlens_q, s.seq_lens, s.scale, s.max_query_len, s.max_seq_len,
+                  s.sliding_window, 0.0, std::nullopt);
+
+  project(scratch.projected, scratch.attention.view({tokens, q_size}), w.o, w.o_packed, std::nullopt);
+  fused_add_rms_norm(scratch.projected, residual, w.post_norm, s.epsilon, 0.0);
+  if (w.gate_up_packed != nullptr) {
+    packed_silu_and_mul(scratch.activated, scratch.projected, *w.gate_up_packed);
+  } else {
+    small_linear(scratch.gate_up, scratch.projected, w.gate_up, std::nullopt);
+    silu_and_mul(scratch.activated, scratch.gate_up);
+  }
+  project(hidden, scratch.activated, w.down, w.down_packed, std::nullopt);
+}
+
+void check_hidden(const at::Tensor& hidden) {
+  check_device_type(hidden, "hidden", c10::DeviceType::CPU);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be a contiguous [num_tokens, hidden_size] "
+              "tensor, got shape ", hidden.sizes());
+}
+
+int64_t head_dim_of(const at::Tensor& key_cache) {
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
+              key_cache.sizes());
+  return key_cache.size(3);
+}
+
+}  // namespace
 
 void llama_decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& input_norm_weight, const at::Tensor& qkv_weight,
@@ -22,59 +145,88 @@ void llama_decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Ten
                          int64_t max_seq_len, int64_t sliding_window, const std::optional<at::Tensor>& qkv_packed,
                          const std::optional<at::Tensor>& o_packed, const std::optional<at::Tensor>& gate_up_packed,
                          const std::optional<at::Tensor>& down_packed) {
-  check_device_type(hidden, "hidden", c10::DeviceType::CPU);
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be a contiguous [num_tokens, hidden_size] "
-              "tensor, got shape ", hidden.sizes());
-  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got shape ",
-              key_cache.sizes());
-  const int64_t tokens = hidden.size(0), head_dim = key_cache.size(3);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(qkv_weight.dim() == 2 && qkv_weight.size(0) == q_size + 2 * kv_size,
-              "qkv_weight must have num_heads * head_dim + 2 * num_kv_heads * head_dim = ", q_size + 2 * kv_size,
-              " rows, got shape ", qkv_weight.sizes());
-  TORCH_CHECK(gate_up_weight.dim() == 2 && gate_up_weight.size(0) % 2 == 0,
-              "gate_up_weight must stack gate and up rows, got shape ", gate_up_weight.sizes());
+  check_hidden(hidden);
   const bool packed = qkv_packed.has_value();
   TORCH_CHECK(o_packed.has_value() == packed && gate_up_packed.has_value() == packed &&
                   down_packed.has_value() == packed,
               "qkv_packed, o_packed, gate_up_packed and down_packed come together (all four, or none)");
-  const auto options = hidden.options();
-  // Products through packed_linear where the layer's weights were packed (many rows), else
-  // small_linear (a few rows, reading the plain weights once).
-  auto project = [&](at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                     const std::optional<at::Tensor>& packed_weight, const std::optional<at::Tensor>& bias) {
-    if (packed_weight.has_value()) {
-      packed_linear(out, x, *packed_weight, bias);
-    } else {
-      small_linear(out, x, weight, bias);
-    }
+  auto pointer = [](const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; };
+  const LayerWeights w{input_norm_weight, qkv_weight,        o_weight,           post_norm_weight,
+                       gate_up_weight,    down_weight,       qkv_bias,           pointer(qkv_packed),
+                       pointer(o_packed), pointer(gate_up_packed), pointer(down_packed)};
+  const StepArgs s{positions,  cos_sin_cache, slot_mapping,  block_tables, cu_seqlens_q,  seq_lens,
+                   num_heads,  num_kv_heads,  head_dim_of(key_cache), epsilon, scale, max_query_len,
+                   max_seq_len, sliding_window};
+  check_layer(hidden, w, key_cache, value_cache, s, "");
+  Scratch scratch(hidden, s, gate_up_weight.size(0) / 2, packed);
+  run_layer(hidden, residual, w, key_cache, value_cache, s, scratch);
+}
+
+void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
+                          at::TensorList input_norm_weights, at::TensorList qkv_weights,
+                          const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList o_weights,
+                          at::TensorList post_norm_weights, at::TensorList gate_up_weights,
+                          at::TensorList down_weights, const at::Tensor& cos_sin_cache, at::TensorList key_caches,
+                          at::TensorList value_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                          int64_t num_heads, int64_t num_kv_heads, double epsilon, double scale,
+                          int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                          at::TensorList qkv_packed, at::TensorList o_packed, at::TensorList gate_up_packed,
+                          at::TensorList down_packed) {
+  check_hidden(hidden);
+  const size_t layers = input_norm_weights.size();
+  TORCH_CHECK(layers > 0, "llama_decoder_layers needs at least one layer, got empty weight lists");
+  auto check_count = [&](size_t count, const char* name) {
+    TORCH_CHECK(count == layers, name, " has ", count, " entries, but input_norm_weights has ", layers,
+                " (one per layer)");
   };
-
-  fused_add_rms_norm(hidden, residual, input_norm_weight, epsilon, 0.0);
-  at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, options);
-  project(qkv, hidden, qkv_weight, qkv_packed, qkv_bias);
-  at::Tensor query = qkv.narrow(1, 0, q_size);
-  const at::Tensor key = qkv.narrow(1, q_size, kv_size);
-  const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size);
-  rotary_embedding(positions, query, key, head_dim, cos_sin_cache, /*is_neox=*/true);
-  reshape_and_cache(key.view({tokens, num_kv_heads, head_dim}), value.view({tokens, num_kv_heads, head_dim}),
-                    key_cache, value_cache, slot_mapping);
-  at::Tensor attention = at::empty({tokens, num_heads, head_dim}, options);
-  paged_attention(attention, query.view({tokens, num_heads, head_dim}), key_cache, value_cache, block_tables,
-                  cu_seqlens_q, seq_lens, scale, max_query_len, max_seq_len, sliding_window, 0.0, std::nullopt);
-
-  at::Tensor projected = at::empty({tokens, hidden.size(1)}, options);
-  project(projected, attention.view({tokens, q_size}), o_weight, o_packed, std::nullopt);
-  fused_add_rms_norm(projected, residual, post_norm_weight, epsilon, 0.0);
-  at::Tensor activated = at::empty({tokens, gate_up_weight.size(0) / 2}, options);
-  if (packed) {  // gate_up_packed is pack_linear_weight(gate_up_weight, gate_up=true)
-    packed_silu_and_mul(activated, projected, *gate_up_packed);
-  } else {
-    at::Tensor gate_up = at::empty({tokens, gate_up_weight.size(0)}, options);
-    small_linear(gate_up, projected, gate_up_weight, std::nullopt);
-    silu_and_mul(activated, gate_up);
+  check_count(qkv_weights.size(), "qkv_weights");
+  check_count(qkv_biases.size(), "qkv_biases");
+  check_count(o_weights.size(), "o_weights");
+  check_count(post_norm_weights.size(), "post_norm_weights");
+  check_count(gate_up_weights.size(), "gate_up_weights");
+  check_count(down_weights.size(), "down_weights");
+  check_count(key_caches.size(), "key_caches");
+  check_count(value_caches.size(), "value_caches");
+  const bool packed = !qkv_packed.empty();
+  TORCH_CHECK(o_packed.empty() != packed && gate_up_packed.empty() != packed && down_packed.empty() != packed,
+              "qkv_packed, o_packed, gate_up_packed and down_packed come together (all four lists, or none)");
+  if (packed) {
+    check_count(qkv_packed.size(), "qkv_packed");
+    check_count(o_packed.size(), "o_packed");
+    check_count(gate_up_packed.size(), "gate_up_packed");
+    check_count(down_packed.size(), "down_packed");
   }
-  project(hidden, activated, down_weight, down_packed, std::nullopt);
+  const StepArgs s{positions,  cos_sin_cache, slot_mapping,  block_tables, cu_seqlens_q,  seq_lens,
+                   num_heads,  num_kv_heads,  head_dim_of(key_caches[0]), epsilon, scale, max_query_len,
+                   max_seq_len, sliding_window};
+  // Every layer's weights and caches are checked before the first layer runs: a mismatch deep in
+  // the stack must not leave the layers before it applied to hidden, residual and the caches.
+  std::vector<std::optional<at::Tensor>> biases(layers);
+  for (size_t i = 0; i < layers; ++i) {
+    biases[i] = qkv_biases.get(i);
+    const LayerWeights w{input_norm_weights[i], qkv_weights[i],    o_weights[i], post_norm_weights[i],
+                         gate_up_weights[i],    down_weights[i],   biases[i],    nullptr, nullptr, nullptr, nullptr};
+    check_layer(hidden, w, key_caches[i], value_caches[i], s, "layer " + std::to_string(i) + ": ");
+    TORCH_CHECK(gate_up_weights[i].sizes() == gate_up_weights[0].sizes(), "layer ", i, ": gate_up_weight has shape ",
+                gate_up_weights[i].sizes(), ", layer 0's has ", gate_up_weights[0].sizes());
+  }
+  Scratch scratch(hidden, s, gate_up_weights[0].size(0) / 2, packed);
+  for (size_t i = 0; i < layers; ++i) {
+    const LayerWeights w{input_norm_weights[i],
+                         qkv_weights[i],
+                         o_weights[i],
+                         post_norm_weights[i],
+                         gate_up_weights[i],
+                         down_weights[i],
+                         biases[i],
+                         packed ? &qkv_packed[i] : nullptr,
+                         packed ? &o_packed[i] : nullptr,
+                         packed ? &gate_up_packed[i] : nullptr,
+                         packed ? &down_packed[i] : nullptr};
+    at::Tensor key_cache = key_caches[i], value_cache = value_caches[i];
+    run_layer(hidden, residual, w, key_cache, value_cache, s, scratch);
+  }
 }
 
 }  // namespace kvflow::cpu
