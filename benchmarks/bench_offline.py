@@ -7,8 +7,8 @@ Output tokens per second for each. HF one-at-a-time is a rate, so it is measured
 fraction of the machine's compute floor kvflow reaches: the bf16 matmul FLOP/s measured here
 divided by the model's FLOPs per token (2 x parameters, the embedding gather excluded, attention
 over the context included) gives the output tokens/s no engine can exceed; and, since every prompt
-token costs a forward pass too, the FLOP/s kvflow sustains over prompt and output tokens together
-as a fraction of that peak.
+token goes through the layers too, the FLOP/s kvflow sustains over prompt and output tokens
+together (the LM head counted only where a token is sampled) as a fraction of that peak.
 
     python benchmarks/bench_offline.py                   # 64 requests
     python benchmarks/bench_offline.py --requests 16 --hf-single-requests 2
@@ -55,11 +55,19 @@ def matmul_flops(dtype=torch.bfloat16, size: int = 2048) -> float:
     return 2 * size**3 / best
 
 
-def model_flops_per_token(config, mean_context: float) -> float:
+def layer_flops_per_token(config, mean_context: float) -> float:
+    """The decoder layers' FLOPs for one token: the projections, and attention over the context."""
     h, q, kv, i = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
         config.intermediate_size
-    per_layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * i) + 4 * q * mean_context
-    return config.num_layers * per_layer + 2 * h * config.vocab_size
+    return config.num_layers * (2 * (h * (q + 2 * kv) + q * h + 3 * h * i) + 4 * q * mean_context)
+
+
+def lm_head_flops(config) -> float:
+    return 2 * config.hidden_size * config.vocab_size
+
+
+def model_flops_per_token(config, mean_context: float) -> float:
+    return layer_flops_per_token(config, mean_context) + lm_head_flops(config)
 
 
 def hf_model(path: str, dtype: torch.dtype):
@@ -116,8 +124,12 @@ def main():
     flops = matmul_flops()
     mean_context = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
     ceiling = flops / model_flops_per_token(llm.engine.model_config, mean_context)
-    all_tokens = sum(len(p) for p in prompts) + len(prompts) * args.new_tokens
-    used_flops = all_tokens * model_flops_per_token(llm.engine.model_config, mean_context)
+    # What the run computes: every prompt token and every output token but the last goes through
+    # the layers; the LM head runs only where a token is sampled (one row per output token).
+    config = llm.engine.model_config
+    forward_tokens = sum(len(p) for p in prompts) + len(prompts) * (args.new_tokens - 1)
+    used_flops = (forward_tokens * layer_flops_per_token(config, mean_context)
+                  + len(prompts) * args.new_tokens * lm_head_flops(config))
 
     rows = [("kvflow engine", ours)]
     if not args.no_hf:
@@ -141,7 +153,7 @@ def main():
               f"compute floor: bf16 matmul {flops / 1e9:.0f} GFLOP/s / "
               f"{model_flops_per_token(llm.engine.model_config, mean_context) / 1e6:.0f} MFLOP per token = "
               f"{ceiling:.0f} tokens/s; kvflow reaches {ours / ceiling:.0%} of it",
-              f"counting the prompt tokens too (every prompt token costs a forward pass as well): "
+              f"counting the prompt tokens too (every prompt token goes through the layers as well): "
               f"{used_flops / elapsed / 1e9:.0f} GFLOP/s, {used_flops / elapsed / flops:.0%} of the measured matmul peak"]
     print("\n".join(lines))
     write_markdown(args.markdown, lines)

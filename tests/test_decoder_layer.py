@@ -32,7 +32,8 @@ def small_model(dtype, attention_bias=False, sliding_window=None):
 
 def step_inputs(model, context_lens, new_lens, dtype):
     """Caches holding random context, plus metadata and inputs for new tokens after it."""
-    kv = allocate_kv_caches(model.config, 32, BLOCK, dtype, "cpu")
+    num_blocks = max(32, sum(-(-(c + n) // BLOCK) for c, n in zip(context_lens, new_lens)))
+    kv = allocate_kv_caches(model.config, num_blocks, BLOCK, dtype, "cpu")
     for key_cache, value_cache in kv:
         key_cache.normal_()
         value_cache.normal_()
@@ -142,6 +143,26 @@ def test_fused_stack_on_packed_weights_equals_op_by_op(variant, cpu_isa):
         assert_stack_equals_op_by_op(model, hidden, residual, kv, md)
     else:
         assert not model.forward_fused_cpu(hidden.clone(), residual.clone(), md, kv)
+
+
+@pytest.mark.parametrize("context_lens,new_lens", [([40] * 24 + [3] * 24, [1] * 48), ([7, 90, 0, 33], [9, 9, 10, 9])])
+def test_fused_stack_split_across_threads_equals_op_by_op(context_lens, new_lens):
+    """Balanced many-row steps (batched decode; prefill chunks of equal size): with two or more
+    threads each runs a part of the requests through every layer on its own. That must not
+    change a bit either."""
+    model = small_model(torch.bfloat16)
+    model.prepack_linear_weights()
+    inputs = step_inputs(model, context_lens, new_lens, torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if ops.cpu_isa() == "avx512_bf16":
+            assert_stack_equals_op_by_op(model, *inputs)
+        else:  # oneDNN's packed weights: the model declines the stack for many rows
+            hidden, residual, kv, md = inputs
+            assert not model.forward_fused_cpu(hidden, residual, md, kv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def stack_call_args(model, hidden, residual, kv, md):
