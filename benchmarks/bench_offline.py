@@ -146,7 +146,7 @@ def main():
         "| engine | output tokens/s | kvflow's speedup |",
         "|---|---:|---:|",
     ]
-    lines += [f"| {name} | {rate:.1f} | {ours / rate:.1f}x |" for name, rate in rows]
+    lines += [f"| {name} | {rate:.1f} | {ours / rate:.2f}x |" for name, rate in rows]
     lines += ["", f"kvflow: {elapsed:.1f} s for {args.requests} requests; TTFT p50 {ttfts[len(ttfts) // 2]:.2f} s, "
                   f"p99 {ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))]:.2f} s; preemptions "
                   f"{llm.engine.scheduler.num_preemptions}",
