@@ -67,6 +67,14 @@ def test_small_linear_rejects_bad_input():
         ops.small_linear(torch.randn(2, 16), w, out=torch.empty(2, 10, dtype=torch.bfloat16))
 
 
+def test_small_linear_of_no_rows_writes_nothing(cpu_isa):
+    """An empty batch is a no-op: the kernels' tiles assume at least one row, and must not touch
+    the memory around out (here, the rest of the tensor it is a view of)."""
+    guard = torch.full((4, 10), 7.0)
+    ops.small_linear(torch.randn(4, 16)[:0], torch.randn(10, 16), torch.randn(10), out=guard[:0])
+    assert torch.equal(guard, torch.full((4, 10), 7.0))
+
+
 def packed_reference(x, w, b=None):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 

@@ -29,6 +29,7 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous(), "bias must be [",
                 out_features, "], got shape ", bias->sizes());
   }
+  if (rows == 0) return;  // the kernels' tiles assume at least one row
   const at::Tensor x = input.contiguous();
   const SmallLinearFn kernel = active_kernels().small_linear[int(dtype)];
   void* out_ptr = out.data_ptr();
