@@ -48,6 +48,17 @@ def step_inputs(model, context_lens, new_lens, dtype):
     return hidden, residual, kv, md
 
 
+def convert_replacing_parameters(model, dtype):
+    """model.to(dtype) with overwrite_module_params_on_conversion: .to replaces the parameters
+    themselves rather than their data, so anything holding the old tensors is left behind."""
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(dtype)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+
+
 def assert_fused_equals_op_by_op(layer, fused, hidden, residual, kv, md):
     """fused (the layer's fused path, or its forward) against forward_op_by_op on copies of the
     same inputs: hidden state, residual stream and this layer's KV cache, bit for bit."""
@@ -98,12 +109,7 @@ def test_fused_layer_follows_the_module_after_it_is_converted():
     hidden, residual, _, md = step_inputs(model, [37], [1], torch.bfloat16)
     layer.forward_fused_cpu(hidden.clone(), residual.clone(), step_inputs(model, [37], [1], torch.bfloat16)[2][0], md)
 
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
-        model.to(torch.float32)
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    convert_replacing_parameters(model, torch.float32)
     _, _, kv, md = step_inputs(model, [37], [1], torch.float32)
     assert_fused_equals_op_by_op(layer, layer.forward_fused_cpu, hidden.float(), residual.float(), kv, md)
 
@@ -209,12 +215,7 @@ def test_fused_stack_follows_the_layers_after_conversion():
     model = small_model(torch.bfloat16)
     hidden, residual, kv, md = step_inputs(model, [37], [1], torch.bfloat16)
     assert model.forward_fused_cpu(hidden.clone(), residual.clone(), md, kv)
-    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
-    try:
-        model.to(torch.float32)
-    finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    convert_replacing_parameters(model, torch.float32)
     hidden, residual, kv, md = step_inputs(model, [37], [1], torch.float32)
     assert_stack_equals_op_by_op(model, hidden, residual, kv, md)
 

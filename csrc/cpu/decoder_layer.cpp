@@ -243,30 +243,30 @@ void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Te
   // Every layer's weights and caches are checked before the first layer runs: a mismatch deep in
   // the stack must not leave the layers before it applied to hidden, residual and the caches.
   std::vector<std::optional<at::Tensor>> biases(layers);
+  for (size_t i = 0; i < layers; ++i) biases[i] = qkv_biases.get(i);
+  auto layer_weights = [&](size_t i) {
+    return LayerWeights{input_norm_weights[i],
+                        qkv_weights[i],
+                        o_weights[i],
+                        post_norm_weights[i],
+                        gate_up_weights[i],
+                        down_weights[i],
+                        biases[i],
+                        packed ? &qkv_packed[i] : nullptr,
+                        packed ? &o_packed[i] : nullptr,
+                        packed ? &gate_up_packed[i] : nullptr,
+                        packed ? &down_packed[i] : nullptr};
+  };
   for (size_t i = 0; i < layers; ++i) {
-    biases[i] = qkv_biases.get(i);
-    const LayerWeights w{input_norm_weights[i], qkv_weights[i],    o_weights[i], post_norm_weights[i],
-                         gate_up_weights[i],    down_weights[i],   biases[i],    nullptr, nullptr, nullptr, nullptr};
-    check_layer(hidden, w, key_caches[i], value_caches[i], s, "layer " + std::to_string(i) + ": ");
+    check_layer(hidden, layer_weights(i), key_caches[i], value_caches[i], s, "layer " + std::to_string(i) + ": ");
     TORCH_CHECK(gate_up_weights[i].sizes() == gate_up_weights[0].sizes(), "layer ", i, ": gate_up_weight has shape ",
                 gate_up_weights[i].sizes(), ", layer 0's has ", gate_up_weights[0].sizes());
   }
   auto run_stack = [&](at::Tensor& h, at::Tensor& r, const StepArgs& step) {
     Scratch scratch(h, step, gate_up_weights[0].size(0) / 2, packed);
     for (size_t i = 0; i < layers; ++i) {
-      const LayerWeights w{input_norm_weights[i],
-                           qkv_weights[i],
-                           o_weights[i],
-                           post_norm_weights[i],
-                           gate_up_weights[i],
-                           down_weights[i],
-                           biases[i],
-                           packed ? &qkv_packed[i] : nullptr,
-                           packed ? &o_packed[i] : nullptr,
-                           packed ? &gate_up_packed[i] : nullptr,
-                           packed ? &down_packed[i] : nullptr};
       at::Tensor key_cache = key_caches[i], value_cache = value_caches[i];
-      run_layer(h, r, w, key_cache, value_cache, step, scratch);
+      run_layer(h, r, layer_weights(i), key_cache, value_cache, step, scratch);
     }
   };
   // Many rows: one part of the requests per thread, each run through every layer on its own (its

@@ -110,6 +110,24 @@ inline KeyRange item_keys(const PagedAttentionArgs& a, const AttentionWorkItem& 
   return {lo / kKeyChunk * kKeyChunk, std::min<int64_t>(it.key_end, first_pos + it.q_count)};
 }
 
+// The prefetch for the chunk `ahead` chunks after c0 (of item item_index, whose keys end at
+// key_hi): in the same item or, near its end, in the next item of [begin, end), whose first
+// chunks are then not a cold start.
+template <typename T>
+NextChunkPrefetch<T> prefetch_ahead(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t item_index,
+                                    int64_t end, int64_t c0, int64_t key_hi, int64_t rows, int64_t ahead) {
+  const AttentionWorkItem& it = items[item_index];
+  const int64_t target = c0 + ahead * kKeyChunk;
+  if (target < key_hi || item_index + 1 >= end) {
+    return NextChunkPrefetch<T>(a, a.block_tables + it.request * a.max_blocks_per_seq, target, key_hi, rows);
+  }
+  const AttentionWorkItem& next = items[item_index + 1];
+  const KeyRange next_keys = item_keys(a, next);
+  const int64_t chunks_past_end = (target - (key_hi - 1) / kKeyChunk * kKeyChunk) / kKeyChunk - 1;
+  return NextChunkPrefetch<T>(a, a.block_tables + next.request * a.max_blocks_per_seq,
+                              next_keys.first_chunk + chunks_past_end * kKeyChunk, next_keys.hi, rows);
+}
+
 // The most rows (query tokens x query heads) any of items [begin, end) holds: the scratch size.
 inline int64_t max_item_rows(const AttentionWorkItem* items, int64_t begin, int64_t end, int64_t group) {
   int64_t max_rows = 0;
@@ -178,13 +196,7 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
 
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += kKeyChunk) {
       // The next chunk of this item or, at its last, the first of the next item.
-      NextChunkPrefetch<T> prefetch(a, block_table, c0 + kKeyChunk, key_hi, rows);
-      if (c0 + kKeyChunk >= key_hi && item_index + 1 < end) {
-        const AttentionWorkItem& next = items[item_index + 1];
-        const KeyRange next_keys = item_keys(a, next);
-        prefetch = NextChunkPrefetch<T>(a, a.block_tables + next.request * a.max_blocks_per_seq, next_keys.first_chunk,
-                                        next_keys.hi, rows);
-      }
+      const NextChunkPrefetch<T> prefetch = prefetch_ahead<T>(a, items, item_index, end, c0, key_hi, rows, 1);
       const int n = int(std::min<int64_t>(kKeyChunk, key_hi - c0));
       const int64_t block = block_table[c0 / a.block_size];
       const int64_t first_slot = block * a.block_size + c0 % a.block_size;
