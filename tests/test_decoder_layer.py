@@ -171,6 +171,28 @@ def test_fused_stack_split_across_threads_equals_op_by_op(context_lens, new_lens
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("context_lens,new_lens", [([37], [1]), ([240], [1]), ([5, 70], [1, 1]), ([200], [3]),
+                                                   ([5, 70, 0], [1, 1, 3]), ([9, 120], [4, 4])])
+@pytest.mark.parametrize("variant", ["plain", "qkv_bias", "sliding_window"])
+def test_fused_stack_in_one_parallel_region_equals_op_by_op(threads, dtype, context_lens, new_lens, variant):
+    """A few rows with two or more threads: every layer runs inside one parallel region, the
+    threads taking cells of each product (their own part first, then the others'), attention
+    items and rows of the norms, and meeting at a barrier between kernels (3 threads on this
+    2-core machine: one at a time is descheduled). 200 keys or more split the attention, and the
+    splits merge."""
+    model = small_model(dtype, attention_bias=variant == "qkv_bias",
+                        sliding_window=24 if variant == "sliding_window" else None)
+    inputs = step_inputs(model, context_lens, new_lens, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_stack_equals_op_by_op(model, *inputs)
+    finally:
+        torch.set_num_threads(before)
+
+
 def stack_call_args(model, hidden, residual, kv, md):
     """The arguments of one llama_decoder_layers call, as lists that a test can spoil."""
     (input_norms, qkvs, biases, o_projs, post_norms, gate_ups, downs, cos_sin, heads, kv_heads, eps, scale, window,
@@ -194,17 +216,31 @@ def stack_call_args(model, hidden, residual, kv, md):
     (lambda a: a.update(key_caches=[a["key_caches"][0], a["key_caches"][1][..., :32]]),
      r"layer 1: key_cache must have shape"),
     (lambda a: a.update(qkv_packed=[a["qkv_weights"][0]] * 2), "come together"),
+    (lambda a: a.update(key_caches=[a["key_caches"][0], torch.zeros_like(a["key_caches"][1][:-1])],
+                        value_caches=[a["value_caches"][0], torch.zeros_like(a["value_caches"][1][:-1])]),
+     "layer 1: every KV cache must be contiguous and of layer 0's shape"),
+    (lambda a: a.update(positions=a["positions"] + 1000), r"positions\[0\] = 1037 is outside"),
+    (lambda a: a.update(slot_mapping=a["slot_mapping"] * 0 + 10**6), r"slot_mapping\[0\] = 1000000 is outside"),
+    (lambda a: a.update(block_tables=a["block_tables"] * 0 + 99), r"block_tables\[0\]\[0\] = 99 is not a block id"),
+    (lambda a: a.update(seq_lens=a["seq_lens"] * 0), r"seq_lens\[0\] = 0 is shorter than its 1 query tokens"),
 ])
-def test_fused_stack_rejects_a_bad_layer_before_running_any(spoil, message):
-    """A mistake in the last layer is found before the first one runs: hidden, residual and
-    every cache come back untouched."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_stack_rejects_a_bad_layer_before_running_any(spoil, message, threads):
+    """A mistake in the last layer, or in the step's metadata, is found before the first layer
+    runs, with the layers run one kernel call at a time (1 thread) or in one parallel region
+    (2): hidden, residual and every cache come back untouched."""
     model = small_model(torch.bfloat16)
     hidden, residual, kv, md = step_inputs(model, [37, 4], [1, 1], torch.bfloat16)
     before = [t.clone() for t in (hidden, residual, *[c for pair in kv for c in pair])]
     args = stack_call_args(model, hidden, residual, kv, md)
     spoil(args)
-    with pytest.raises(RuntimeError, match=message):
-        ops.llama_decoder_layers(**args)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            ops.llama_decoder_layers(**args)
+    finally:
+        torch.set_num_threads(saved_threads)
     for old, new in zip(before, (hidden, residual, *[c for pair in kv for c in pair])):
         assert torch.equal(old, new)
 

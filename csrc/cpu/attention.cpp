@@ -12,6 +12,7 @@
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
 #include "ops.h"
+#include "prepared_ops.h"
 
 namespace kvflow::cpu {
 namespace {
@@ -46,13 +47,8 @@ void validate_metadata(const AttentionGeometry& g, const int32_t* cu, const int3
   }
 }
 
-struct WorkPlan {
-  std::vector<AttentionWorkItem> items;
-  std::vector<int32_t> num_splits;  // [batch]
-  int64_t max_splits = 1;
-};
-
-WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens, int64_t threads) {
+void plan_work(PagedAttentionPlan& plan, const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens,
+               int64_t threads) {
   const int64_t group = g.num_q_heads / g.num_kv_heads;
   const int64_t q_tile = std::max<int64_t>(1, kRowsPerTile / group);
   const int64_t wanted_items = 4 * threads;
@@ -65,7 +61,6 @@ WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t*
   // 13-17 us a layer, against 15-21 with one kv head per item and no split.
   const int64_t split_factor = tiles >= wanted_items ? 1 : threads / std::gcd(std::max<int64_t>(tiles, 1), threads);
 
-  WorkPlan plan;
   plan.num_splits.assign(g.batch, 1);
   for (int64_t b = 0; b < g.batch; ++b) {
     plan.num_splits[b] = int32_t(std::clamp<int64_t>(seq_lens[b] / kMinKeysPerSplit, 1, split_factor));
@@ -94,15 +89,20 @@ WorkPlan plan_work(const AttentionGeometry& g, const int32_t* cu, const int32_t*
   };
   std::stable_sort(plan.items.begin(), plan.items.end(),
                    [&](const AttentionWorkItem& x, const AttentionWorkItem& y) { return cost(x) > cost(y); });
-  return plan;
+  // Several items at a time where there are many: the kernel asks for the next item's first keys
+  // while it ends one (measured: batch 64 x 208 keys from memory, 0.45 ms one at a time, 0.41 four
+  // at a time), and at least four grabs per thread keep the hand-out balanced.
+  plan.items_per_grab = std::clamp<int64_t>(int64_t(plan.items.size()) / (4 * threads), 1, kMaxItemsPerGrab);
 }
 
 }  // namespace
 
-void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& seq_lens, double scale, int64_t max_query_len, int64_t max_seq_len,
-                     int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& workspace) {
+PagedAttentionPlan plan_paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                        const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, double scale,
+                                        int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                                        double logits_soft_cap, const std::optional<at::Tensor>& workspace,
+                                        int64_t threads) {
   check_device_type(query, "query", c10::DeviceType::CPU);
   const AttentionGeometry g =
       check_paged_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -113,19 +113,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   validate_metadata(g, cu, lens, tables, max_query_len, max_seq_len);
-  if (g.num_tokens == 0) return;
 
-  const int64_t threads = at::get_num_threads();
-  const WorkPlan plan = plan_work(g, cu, lens, threads);
-  at::Tensor partials;
+  PagedAttentionPlan plan;
+  plan.dtype = g.dtype;
+  plan.kernel = active_kernels().paged_attention[int(g.dtype)][attention_head_dim_index(g.head_dim)];
+  if (g.num_tokens > 0) plan_work(plan, g, cu, lens, threads);
   if (plan.max_splits > 1) {
     const int64_t needed = plan.max_splits * g.num_tokens * g.num_q_heads * (g.head_dim + 2);
-    partials = workspace.has_value() && workspace->numel() >= needed
-                   ? *workspace
-                   : at::empty({needed}, query.options().dtype(at::kFloat));
+    plan.partials = workspace.has_value() && workspace->numel() >= needed
+                        ? *workspace
+                        : at::empty({needed}, query.options().dtype(at::kFloat));
   }
-
-  PagedAttentionArgs args{};
+  PagedAttentionArgs& args = plan.args;
   args.out = out.data_ptr();
   args.query = query.data_ptr();
   args.q_stride = g.q_stride;
@@ -142,26 +141,41 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   args.scale = float(scale);
   args.soft_cap = float(logits_soft_cap);
   args.sliding_window = sliding_window;
-  args.partials = partials.defined() ? partials.data_ptr<float>() : nullptr;
+  args.partials = plan.partials.defined() ? plan.partials.data_ptr<float>() : nullptr;
   args.num_tokens = g.num_tokens;
+  return plan;
+}
 
-  const PagedAttentionFn kernel =
-      active_kernels().paged_attention[int(g.dtype)][attention_head_dim_index(g.head_dim)];
+void run_attention_items(const PagedAttentionPlan& plan, const PagedAttentionArgs& args,
+                         std::atomic<int64_t>& next) {
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t grab = plan.items_per_grab;
+  for (int64_t i = next.fetch_add(grab); i < num_items; i = next.fetch_add(grab)) {
+    plan.kernel(args, plan.items.data(), i, std::min(i + grab, num_items));
+  }
+}
+
+void merge_attention_tokens(const PagedAttentionPlan& plan, const PagedAttentionArgs& args, int64_t begin,
+                            int64_t end) {
+  if (plan.max_splits > 1) merge_attention_splits(args, args.head_dim, plan.dtype, plan.num_splits.data(), begin, end);
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& seq_lens, double scale, int64_t max_query_len, int64_t max_seq_len,
+                     int64_t sliding_window, double logits_soft_cap, const std::optional<at::Tensor>& workspace) {
+  const int64_t threads = at::get_num_threads();
+  const PagedAttentionPlan plan =
+      plan_paged_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                           max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace, threads);
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  if (num_items == 0) return;
   std::atomic<int64_t> next{0};
-  // Several items at a time where there are many: the kernel asks for the next item's first keys
-  // while it ends one (measured: batch 64 x 208 keys from memory, 0.45 ms one at a time, 0.41 four
-  // at a time), and at least four grabs per thread keep the hand-out balanced.
-  const int64_t items_per_grab = std::clamp<int64_t>(num_items / (4 * threads), 1, kMaxItemsPerGrab);
-  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(items_per_grab); i < num_items; i = next.fetch_add(items_per_grab)) {
-      kernel(args, plan.items.data(), i, std::min(i + items_per_grab, num_items));
-    }
-  });
+  at::parallel_for(0, std::min(threads, num_items), 1,
+                   [&](int64_t, int64_t) { run_attention_items(plan, plan.args, next); });
   if (plan.max_splits > 1) {
-    at::parallel_for(0, g.num_tokens, 1, [&](int64_t begin, int64_t end) {
-      merge_attention_splits(args, g.head_dim, g.dtype, plan.num_splits.data(), begin, end);
-    });
+    at::parallel_for(0, plan.args.num_tokens, 1,
+                     [&](int64_t begin, int64_t end) { merge_attention_tokens(plan, plan.args, begin, end); });
   }
 }
 

@@ -9,11 +9,12 @@
 
 #include "op_checks.h"
 #include "ops.h"
+#include "prepared_ops.h"
 
 namespace kvflow::cpu {
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                       const at::Tensor& slot_mapping) {
+CacheWritePlan plan_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_device_type(key, "key", c10::DeviceType::CPU);
   const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -28,19 +29,28 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(repeat == used.end(), "slot_mapping holds slot ", repeat == used.end() ? 0 : *repeat,
               " more than once");
   const int64_t elem = key.element_size();
-  const int64_t row_bytes = g.token_elems * elem;
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  at::parallel_for(0, g.num_tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(row_bytes, 1)),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t t = begin; t < end; ++t) {
-                       if (slots[t] < 0) continue;
-                       std::memcpy(kc + slots[t] * row_bytes, k + t * g.key_stride * elem, row_bytes);
-                       std::memcpy(vc + slots[t] * row_bytes, v + t * g.value_stride * elem, row_bytes);
-                     }
-                   });
+  return CacheWritePlan{static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()),
+                        g.key_stride * elem, g.value_stride * elem, slots, g.num_tokens, g.token_elems * elem};
+}
+
+void write_cache_tokens(const CacheWritePlan& plan, void* key_cache, void* value_cache, int64_t begin, int64_t end) {
+  char* kc = static_cast<char*>(key_cache);
+  char* vc = static_cast<char*>(value_cache);
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t slot = plan.slots[t];
+    if (slot < 0) continue;
+    std::memcpy(kc + slot * plan.row_bytes, plan.key + t * plan.key_stride_bytes, plan.row_bytes);
+    std::memcpy(vc + slot * plan.row_bytes, plan.value + t * plan.value_stride_bytes, plan.row_bytes);
+  }
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping) {
+  const CacheWritePlan plan = plan_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+  void* kc = key_cache.data_ptr();
+  void* vc = value_cache.data_ptr();
+  at::parallel_for(0, plan.num_tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(plan.row_bytes, 1)),
+                   [&](int64_t begin, int64_t end) { write_cache_tokens(plan, kc, vc, begin, end); });
 }
 
 void copy_blocks(const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,

@@ -11,54 +11,12 @@
 
 #include <vector>
 
+#include "decoder_layer.h"
 #include "op_checks.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
 namespace {
-
-struct LayerWeights {
-  const at::Tensor& input_norm;
-  const at::Tensor& qkv;
-  const at::Tensor& o;
-  const at::Tensor& post_norm;
-  const at::Tensor& gate_up;
-  const at::Tensor& down;
-  const std::optional<at::Tensor>& qkv_bias;
-  // All four or none: pack_linear_weight of qkv, o and down, and of gate_up with gate_up=true.
-  const at::Tensor* qkv_packed;
-  const at::Tensor* o_packed;
-  const at::Tensor* gate_up_packed;
-  const at::Tensor* down_packed;
-};
-
-// What every layer of one step shares: the batch's attention metadata and the model's shape.
-struct StepArgs {
-  const at::Tensor& positions;
-  const at::Tensor& cos_sin_cache;
-  const at::Tensor& slot_mapping;
-  const at::Tensor& block_tables;
-  const at::Tensor& cu_seqlens_q;
-  const at::Tensor& seq_lens;
-  int64_t num_heads, num_kv_heads, head_dim;
-  double epsilon, scale;
-  int64_t max_query_len, max_seq_len, sliding_window;
-};
-
-// The intermediate tensors of one layer, reused by every layer of a stack.
-struct Scratch {
-  at::Tensor qkv, attention, projected, activated, gate_up;
-
-  Scratch(const at::Tensor& hidden, const StepArgs& s, int64_t intermediate, bool packed) {
-    const int64_t tokens = hidden.size(0);
-    const auto options = hidden.options();
-    qkv = at::empty({tokens, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim}, options);
-    attention = at::empty({tokens, s.num_heads, s.head_dim}, options);
-    projected = at::empty({tokens, hidden.size(1)}, options);
-    activated = at::empty({tokens, intermediate}, options);
-    if (!packed) gate_up = at::empty({tokens, 2 * intermediate}, options);
-  }
-};
 
 // The shapes, dtypes and devices of one layer's weights and caches (the kernels check the rest).
 void check_layer(const at::Tensor& hidden, const LayerWeights& w, const at::Tensor& key_cache,
@@ -174,6 +132,23 @@ int64_t head_dim_of(const at::Tensor& key_cache) {
 
 }  // namespace
 
+StepPlans plan_step(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& input_norm_weight, Scratch& scratch,
+                    const StepArgs& s, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+  at::Tensor query = scratch.qkv.narrow(1, 0, q_size);
+  const at::Tensor key = scratch.qkv.narrow(1, q_size, kv_size);
+  const at::Tensor value = scratch.qkv.narrow(1, q_size + kv_size, kv_size);
+  return StepPlans{
+      check_norm_args(hidden, "hidden", residual, "residual", input_norm_weight, s.epsilon),
+      plan_rotary_embedding(s.positions, query, key, s.head_dim, s.cos_sin_cache, /*is_neox=*/true),
+      plan_reshape_and_cache(key.view({tokens, s.num_kv_heads, s.head_dim}),
+                             value.view({tokens, s.num_kv_heads, s.head_dim}), key_cache, value_cache, s.slot_mapping),
+      plan_paged_attention(scratch.attention, query.view({tokens, s.num_heads, s.head_dim}), key_cache, value_cache,
+                           s.block_tables, s.cu_seqlens_q, s.seq_lens, s.scale, s.max_query_len, s.max_seq_len,
+                           s.sliding_window, 0.0, std::nullopt, at::get_num_threads())};
+}
+
 void llama_decoder_layer(at::Tensor& hidden, at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& input_norm_weight, const at::Tensor& qkv_weight,
                          const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
@@ -261,12 +236,24 @@ void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Te
     check_layer(hidden, layer_weights(i), key_caches[i], value_caches[i], s, "layer " + std::to_string(i) + ": ");
     TORCH_CHECK(gate_up_weights[i].sizes() == gate_up_weights[0].sizes(), "layer ", i, ": gate_up_weight has shape ",
                 gate_up_weights[i].sizes(), ", layer 0's has ", gate_up_weights[0].sizes());
+    for (const at::Tensor* cache : {&key_caches[i], &value_caches[i]}) {
+      TORCH_CHECK(cache->sizes() == key_caches[0].sizes() && cache->is_contiguous(), "layer ", i,
+                  ": every KV cache must be contiguous and of layer 0's shape ", key_caches[0].sizes(), ", got ",
+                  cache->sizes());
+    }
   }
-  auto run_stack = [&](at::Tensor& h, at::Tensor& r, const StepArgs& step) {
-    Scratch scratch(h, step, gate_up_weights[0].size(0) / 2, packed);
+  // The step's metadata too, for the whole batch, before anything is written.
+  const int64_t intermediate = gate_up_weights[0].size(0) / 2;
+  Scratch scratch(hidden, s, intermediate, packed);
+  const StepPlans plans = plan_step(hidden, residual, input_norm_weights[0], scratch, s, key_caches[0], value_caches[0]);
+  if (!packed &&
+      run_layers_in_one_region(hidden, residual, layer_weights, layers, key_caches, value_caches, s, scratch, plans)) {
+    return;
+  }
+  auto run_stack = [&](at::Tensor& h, at::Tensor& r, const StepArgs& step, Scratch& step_scratch) {
     for (size_t i = 0; i < layers; ++i) {
       at::Tensor key_cache = key_caches[i], value_cache = value_caches[i];
-      run_layer(h, r, layer_weights(i), key_cache, value_cache, step, scratch);
+      run_layer(h, r, layer_weights(i), key_cache, value_cache, step, step_scratch);
     }
   };
   // Many rows: one part of the requests per thread, each run through every layer on its own (its
@@ -277,7 +264,7 @@ void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Te
   const std::vector<int64_t> bounds =
       packed ? split_requests(cu_seqlens_q, hidden.size(0), at::get_num_threads()) : std::vector<int64_t>{};
   if (bounds.size() < 3) {
-    run_stack(hidden, residual, s);
+    run_stack(hidden, residual, s, scratch);
     return;
   }
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
@@ -295,7 +282,8 @@ void llama_decoder_layers(at::Tensor& hidden, at::Tensor& residual, const at::Te
       const StepArgs step{positions_part, cos_sin_cache, slots_part, tables_part, cu_part, lens_part,
                           num_heads, num_kv_heads, s.head_dim, epsilon, scale, max_query_len, max_seq_len,
                           sliding_window};
-      run_stack(h, r, step);
+      Scratch part_scratch(h, step, intermediate, packed);
+      run_stack(h, r, step, part_scratch);
     }
   });
 }
