@@ -1,13 +1,18 @@
 // small_linear on the CPU: out = input @ weight^T (+ bias) for a handful of rows, where the
-// cost is reading the weights once. Output features are split into one contiguous range per
-// thread, so each thread streams its part of the weight matrix front to back.
+// cost is reading the weights once. Output features are split into one contiguous part per
+// thread, so each thread streams its part of the weight matrix front to back, and a thread
+// done early takes cells from the ends of the others' (product_cells.h).
 #include <ATen/Parallel.h>
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
 #include "ops.h"
+#include "product_cells.h"
 
 namespace kvflow::cpu {
+
+// Fewer output features than this run on the calling thread.
+constexpr int64_t kFeaturesPerThread = 64;
 
 void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
@@ -36,8 +41,17 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
   const void* x_ptr = x.data_ptr();
   const void* w_ptr = weight.data_ptr();
   const void* b_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
-  at::parallel_for(0, out_features, 64, [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     kernel(out_ptr, out_is_float32, x_ptr, w_ptr, b_ptr, rows, in_features, out_features, begin, end);
+  };
+  const int64_t threads = at::get_num_threads();
+  if (threads < 2 || out_features <= kFeaturesPerThread || at::in_parallel_region()) {
+    run(0, out_features);
+    return;
+  }
+  ProductCells cells(w_ptr, out_features, in_features * weight.element_size(), threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tid = begin; tid < end; ++tid) cells.run(tid, run);
   });
 }
 
