@@ -5,9 +5,9 @@
 // share of each: cells of a product's output features, attention items, rows of the norms.
 // Every output is computed by the same kernel over the same inputs as in one call per kernel,
 // so the result is bit for bit the same.
-// Measured at batch-1 decode of the default model, one process, alternating: 6.65-6.75 ms a
-// token against 6.9-7.5 in fast-memory phases (45-49 GB/s); in slow ones (31-33 GB/s) the step
-// is bound by the weights' bytes either way.
+// Measured at batch-1 decode of the default model, one process, alternating, at 43-49 GB/s:
+// 6.50-6.80 ms a token against 6.92-7.49 with one call per kernel; in slow phases (31-33 GB/s)
+// the step is bound by the weights' bytes either way.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -92,7 +92,7 @@ bool run_layers_in_one_region(at::Tensor& hidden, at::Tensor& residual,
     const Range rows = share_of(tokens, 1, team, tid);
     // Each wait asks for the first cells this thread will read of the next product, so the
     // bus works while the serial pieces (a one-row norm, the merge) run on another thread.
-    // Measured at batch 1, 45-48 GB/s: 6.65 ms a token against 6.75 without.
+    // Measured at batch 1, 43-49 GB/s, alternating: 6.50-6.80 ms a token against 6.63-7.01.
     auto wait_then = [&](size_t product) {
       barrier.wait(team, product < products.size() ? products[product].first_read(tid) : nullptr,
                    kAheadBytes);
