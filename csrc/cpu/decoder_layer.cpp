@@ -5,7 +5,9 @@
 // one call with 28 arguments. The stack op pays that once per step and allocates the layers'
 // scratch tensors once. With the layers' packed weights it serves many rows too (batched decode,
 // prefill), through packed_linear and packed_silu_and_mul. Both make the same kernel calls in the
-// same order as the layer-by-layer path, so their result is bit for bit that path's.
+// same order as the layer-by-layer path, so their result is bit for bit that path's. A few rows
+// on the plain weights with two or more threads run inside one parallel region instead
+// (decode_region.cpp), with the same result.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
