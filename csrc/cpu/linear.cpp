@@ -11,9 +11,6 @@
 
 namespace kvflow::cpu {
 
-// Fewer output features than this run on the calling thread.
-constexpr int64_t kFeaturesPerThread = 64;
-
 void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias) {
   check_device_type(input, "input", c10::DeviceType::CPU);
@@ -45,7 +42,7 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
     kernel(out_ptr, out_is_float32, x_ptr, w_ptr, b_ptr, rows, in_features, out_features, begin, end);
   };
   const int64_t threads = at::get_num_threads();
-  if (threads < 2 || out_features <= kFeaturesPerThread || at::in_parallel_region()) {
+  if (threads < 2 || out_features <= ProductCells::kGrain || at::in_parallel_region()) {
     run(0, out_features);
     return;
   }

@@ -62,7 +62,7 @@ KVFLOW_TEST(product_cells_cover_every_feature_once) {
         for (const Taken& t : taken) {
           // Cells start on the kernel's tiles: a multiple of 4 features into their part.
           for (int64_t p = 0; p < parts; ++p) {
-            const Range part = share_of(shape[0], 64, parts, p);
+            const Range part = share_of(shape[0], ProductCells::kGrain, parts, p);
             if (part.begin <= t.begin && t.begin < part.end) {
               KVFLOW_CHECK((t.begin - part.begin) % 4 == 0);
               KVFLOW_CHECK(t.end <= part.end);
@@ -79,7 +79,7 @@ KVFLOW_TEST(product_cells_owner_streams_its_part_front_to_back) {
   ProductCells cells(nullptr, 3072, 1152, 2);
   const std::vector<Taken> taken = run_threads(cells, 1);
   check_each_feature_once(taken, 3072);
-  const Range own = share_of(3072, 64, 2, 0);
+  const Range own = share_of(3072, ProductCells::kGrain, 2, 0);
   size_t i = 0;
   for (int64_t expect = own.begin; i < taken.size() && taken[i].begin < own.end; ++i) {
     KVFLOW_CHECK(taken[i].begin == expect);

@@ -51,7 +51,9 @@ def llama_decoder_layers(hidden, residual, positions, input_norm_weights, qkv_we
     per layer (qkv_biases entries may be None; the four packed lists are all empty or all full).
     Bit for bit the result of calling llama_decoder_layer once per layer; it saves the Python
     and dispatcher cost of those calls (about 20 us each) and reuses one set of scratch tensors.
-    Every layer's weights and caches are checked before the first layer runs.
+    Every layer's weights and caches, and the step's metadata, are checked before the first layer
+    runs. A few rows on the plain weights with two or more threads run every layer inside one
+    parallel region, with the same result.
     """
     torch.ops.kvflow.llama_decoder_layers(
         hidden, residual, positions, list(input_norm_weights), list(qkv_weights), list(qkv_biases), list(o_weights),
