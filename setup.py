@@ -2,7 +2,8 @@
 
 The CPU sources are always built. The CUDA sources are added when torch is a CUDA build and a
 CUDA toolkit is found (KVFLOW_CUDA=0 forces a CPU-only build, KVFLOW_CUDA=1 makes a missing
-toolkit an error). TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0a".
+toolkit an error). TORCH_CUDA_ARCH_LIST defaults to "8.0;9.0a". KVFLOW_SKIP_EXTENSION=1 installs
+the Python package alone (scripts/install.sh then runs `setup.py build_ext --inplace`).
 """
 
 import os
@@ -56,6 +57,8 @@ def want_cuda(torch):
 
 
 def extensions():
+    if os.environ.get("KVFLOW_SKIP_EXTENSION") == "1":
+        return [], {}  # scripts/install.sh installs the package this way, then builds _C incrementally
     import torch
 
     cuda_home = want_cuda(torch)

@@ -128,6 +128,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_cuda") = false;
 #endif
 
+  m.def("cpu_features", &kvflow::cpu::cpu_features,
+        "Each x86 feature kvflow asks about (by /proc/cpuinfo's names), and whether this CPU has it.");
   m.def("supported_cpu_isas", &kvflow::cpu::supported_isas,
         "Instruction sets the CPU kernels can use on this machine, narrowest first.");
   m.def(

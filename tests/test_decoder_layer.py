@@ -83,13 +83,11 @@ def test_fused_layer_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu
 @pytest.mark.parametrize("variant", ["plain", "qkv_bias"])
 def test_fused_layer_on_packed_weights_equals_op_by_op(variant, cpu_isa):
     """Batched decode and prefill rows (more than small_linear takes) on prepacked bfloat16
-    weights: with kvflow's own panels (AVX-512 BF16) the fused op runs packed_linear and
-    packed_silu_and_mul; elsewhere the weights are oneDNN's and the layer stays op by op."""
+    weights: on every instruction set the fused op runs packed_linear and packed_silu_and_mul."""
     model = small_model(torch.bfloat16, attention_bias=variant == "qkv_bias")
     model.prepack_linear_weights()
     layer = model.layers[0]
-    native = cpu_isa == "avx512_bf16"
-    assert (layer.fused_cpu_args()[-1] is not None) == native
+    assert layer.fused_cpu_args()[-1] is not None
     hidden, residual, kv, md = step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16)
     assert_fused_equals_op_by_op(layer, layer, hidden, residual, kv, md)
     args = layer.fused_cpu_args()
@@ -140,15 +138,10 @@ def test_fused_stack_equals_op_by_op(dtype, context_lens, new_lens, variant, cpu
 
 @pytest.mark.parametrize("variant", ["plain", "qkv_bias"])
 def test_fused_stack_on_packed_weights_equals_op_by_op(variant, cpu_isa):
-    """Many rows: the stack runs only where every layer has kvflow's own packed panels (AVX-512
-    BF16); elsewhere the model declines it and runs the layers one by one."""
+    """Many rows on packed weights: the whole stack in one op, on every instruction set."""
     model = small_model(torch.bfloat16, attention_bias=variant == "qkv_bias")
     model.prepack_linear_weights()
-    hidden, residual, kv, md = step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16)
-    if cpu_isa == "avx512_bf16":
-        assert_stack_equals_op_by_op(model, hidden, residual, kv, md)
-    else:
-        assert not model.forward_fused_cpu(hidden.clone(), residual.clone(), md, kv)
+    assert_stack_equals_op_by_op(model, *step_inputs(model, [5, 70, 0, 33], [1, 1, 30, 9], torch.bfloat16))
 
 
 @pytest.mark.parametrize("context_lens,new_lens", [([40] * 24 + [3] * 24, [1] * 48), ([7, 90, 0, 33], [9, 9, 10, 9])])
@@ -162,11 +155,7 @@ def test_fused_stack_split_across_threads_equals_op_by_op(context_lens, new_lens
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        if ops.cpu_isa() == "avx512_bf16":
-            assert_stack_equals_op_by_op(model, *inputs)
-        else:  # oneDNN's packed weights: the model declines the stack for many rows
-            hidden, residual, kv, md = inputs
-            assert not model.forward_fused_cpu(hidden, residual, md, kv)
+        assert_stack_equals_op_by_op(model, *inputs)
     finally:
         torch.set_num_threads(threads)
 

@@ -126,7 +126,7 @@ def kv_bf16():
 @pytest.fixture(scope="module")
 def kv_bf16_packed():
     """bfloat16 as the engine runs it on the CPU: products of more than 8 rows read packed copies
-    of the weights (packed_linear with AVX-512 BF16, oneDNN's prepacked matmul elsewhere)."""
+    of the weights (kvflow's packed_linear on every instruction set)."""
     lm = load_model(None, torch.bfloat16)
     assert lm.model.prepack_linear_weights() == 4 * lm.config.num_layers + 1  # and the LM head
     return lm

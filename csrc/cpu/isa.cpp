@@ -70,6 +70,27 @@ std::atomic<const KernelTable*> active{nullptr};
 
 }  // namespace
 
+std::vector<std::pair<std::string, bool>> cpu_features() {
+  std::vector<std::pair<std::string, bool>> features;
+#if defined(__x86_64__)
+  // The CPU's own answer (CPUID, and XGETBV for the register state the OS saves), by the names
+  // /proc/cpuinfo uses.
+  features = {{"avx2", __builtin_cpu_supports("avx2")},
+              {"fma", __builtin_cpu_supports("fma")},
+              {"f16c", __builtin_cpu_supports("f16c")},
+              {"avx512f", __builtin_cpu_supports("avx512f")},
+              {"avx512bw", __builtin_cpu_supports("avx512bw")},
+              {"avx512vl", __builtin_cpu_supports("avx512vl")},
+              {"avx512dq", __builtin_cpu_supports("avx512dq")},
+              {"avx512_bf16", __builtin_cpu_supports("avx512bf16")},
+              {"avx512_vnni", __builtin_cpu_supports("avx512vnni")},
+              {"avx512_fp16", __builtin_cpu_supports("avx512fp16")},
+              {"avx_vnni", __builtin_cpu_supports("avxvnni")},
+              {"amx_bf16", __builtin_cpu_supports("amx-bf16")}};
+#endif
+  return features;
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names{"scalar"};
   if (cpu_has_avx2()) names.push_back("avx2");

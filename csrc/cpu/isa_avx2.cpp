@@ -1,4 +1,4 @@
-// The CPU kernels compiled for AVX2 + FMA + F16C. Headers shared with the baseline code are
+// The CPU kernels compiled for AVX2 + FMA + F16C; bf16 products widen to float32 in registers. Headers shared with the baseline code are
 // included before the target pragma so that only this file's own functions use these features.
 #include <algorithm>
 #include <cmath>
@@ -20,12 +20,23 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "kvflow/cpu/kernels.h"
+#include "kvflow/cpu/packed_linear_widened.h"
 #include "kvflow/cpu/vec_avx2.h"
 
 namespace kvflow::cpu {
+namespace {
+
+KernelTable make_avx2_table() {
+  KernelTable table = make_kernel_table<VecAvx2>("avx2");
+  // 6 rows x 16 features: 12 accumulators, 2 widened weights and a broadcast in 16 registers.
+  table.packed_linear = PackedLinearWidened<VecAvx2, 6, 2>::run;
+  return table;
+}
+
+}  // namespace
 
 const KernelTable& avx2_kernels() {
-  static const KernelTable table = make_kernel_table<VecAvx2>("avx2");
+  static const KernelTable table = make_avx2_table();
   return table;
 }
 

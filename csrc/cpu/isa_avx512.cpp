@@ -24,8 +24,18 @@
 
 namespace kvflow::cpu {
 
+namespace {
+
+KernelTable make_avx512_table() {
+  KernelTable table = make_kernel_table<VecAvx512>("avx512");
+  table.packed_linear = avx2_kernels().packed_linear;  // no bf16 dot product: AVX2's widening kernel
+  return table;
+}
+
+}  // namespace
+
 const KernelTable& avx512_kernels() {
-  static const KernelTable table = make_kernel_table<VecAvx512>("avx512");
+  static const KernelTable table = make_avx512_table();
   return table;
 }
 

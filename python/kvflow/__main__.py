@@ -1,4 +1,4 @@
-"""python -m kvflow {generate, chat, serve, bench} ..."""
+"""python -m kvflow {generate, chat, serve, bench, env} ..."""
 
 import sys
 

@@ -57,10 +57,10 @@ def free_port() -> int:
 
 def _engine_flags(args) -> list[str]:
     """The shared engine arguments, passed on to `python -m kvflow serve`."""
-    flags = ["--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
+    flags = ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
              "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    for name in ("model", "max_model_len", "kv_cache_memory", "threads", "seed"):
+    for name in ("model", "dtype", "max_model_len", "kv_cache_memory", "threads", "seed"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if not args.enable_prefix_caching:
@@ -371,7 +371,7 @@ def run_experiments(args) -> int:
             hf_vs_kvflow["skipped"] = f"transformers is not installed ({error}); pip install 'kvflow[bench]'"
         except Exception as error:  # the other experiments' results are kept
             hf_vs_kvflow["skipped"] = f"Hugging Face transformers failed: {type(error).__name__}: {error}"
-    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dtype": args.dtype,
+    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "dtype": args.dtype or "default",
                "server": "started by this command" if server else base_url, "torch": torch.__version__,
                "cpu_count": os.cpu_count(), "command": "python -m kvflow " + " ".join(sys.argv[1:]),
                "plan": asdict(plan), "slo": slo, "prompt_sweep": prompt_sweep, "output_sweep": output_sweep,

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow import platform
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU default when kv_cache_memory is not given
 
@@ -11,7 +13,7 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU default when kv_cache_memory is not giv
 @dataclass
 class EngineConfig:
     model: str | None = None              # GGUF file, HF directory, or None for the embedded default
-    dtype: str = "bfloat16"
+    dtype: str | None = None              # None: bfloat16, or what kvflow.platform says fits this CPU best
     device: str = "cpu"
     max_model_len: int | None = None      # default: the model's context length
     max_num_seqs: int = 256
@@ -28,6 +30,8 @@ class EngineConfig:
                                           # products (faster prefill and large batches, 2x weight memory)
 
     def __post_init__(self):
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.on_cuda else platform.current().default_cpu_dtype
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -78,7 +78,7 @@ def move_parameters_to_huge_pages(module: nn.Module) -> int:
     for p, copy in zip(parameters, copy_into_huge_pages([p.data for p in parameters])):
         p.data = copy
     packed = [m.packed_weight for m in module.modules()
-              if isinstance(getattr(m, "packed_weight", None), PackedWeight) and m.packed_weight.native]
+              if isinstance(getattr(m, "packed_weight", None), PackedWeight)]
     for weight, copy in zip(packed, copy_into_huge_pages([w.data for w in packed])):
         weight.data = copy
     return sum(t.numel() * t.element_size() for t in [p.data for p in parameters] + [w.data for w in packed])

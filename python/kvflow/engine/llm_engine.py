@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow import platform
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kvflow.engine.huge_pages import move_parameters_to_huge_pages
@@ -65,6 +66,10 @@ class LLMEngine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        self.platform = platform.hold(self)  # the CPU instruction set stays as it is while this engine lives
+        if not config.on_cuda and not self.platform.vector_kernels:
+            logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
+                           self.platform.model)
         loaded = load_model(config.model, config.torch_dtype, config.device)
         if config.cpu_prepack_weights and config.device == "cpu" and hasattr(loaded.model, "prepack_linear_weights"):
             loaded.model.prepack_linear_weights()

@@ -22,8 +22,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="a GGUF file, a Hugging Face directory (config.json + safetensors), or the name of the "
                              "embedded default SmolLM2-135M-Instruct (the default)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                        help="weights and activations (quantized GGUF weights are dequantized at load)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="weights and activations (default: bfloat16, or float32 on a CPU without AVX2; "
+                             "quantized GGUF weights are dequantized at load)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(serve)
 
+    commands.add_parser("env", help="what this machine is and what kvflow will run on it (for bug reports)")
+
     from kvflow.bench.cli import add_bench_arguments
 
     add_bench_arguments(commands)
@@ -101,7 +104,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("generate takes a prompt or --prompts-file (one of the two)")
     from kvflow.entrypoints import cli_commands
 
+    from kvflow import platform
+
     try:
+        platform.current()  # a forced instruction set this CPU lacks is refused before anything loads
+        if args.command == "env":
+            from kvflow.entrypoints.env_report import main as env_main
+
+            return env_main()
         if args.command == "generate":
             return cli_commands.generate(args)
         if args.command == "bench":

@@ -10,7 +10,7 @@ from kvflow.engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **engine_options):
+    def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options):
         """engine_options: the EngineConfig fields (max_num_seqs, max_num_batched_tokens,
         kv_cache_memory, gpu_memory_utilization, enforce_eager, max_model_len, block_size,
         enable_prefix_caching, threads, seed, device)."""

@@ -43,10 +43,10 @@ class LMHead(nn.Module):
             return self.packed_weight.matmul(hidden, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden, weight).float()
 
-    def prepack(self, batch_hint: int = 64) -> bool:
+    def prepack(self) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        self.packed_weight = PackedWeight.of(weight, batch_hint)
+        self.packed_weight = PackedWeight.of(weight)
         return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -10,44 +10,34 @@ from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
 class PackedWeight:
-    """A bfloat16 CPU weight [out_features, in_features] reordered once for many-row products
-    (prefill, batched decode). torch's matmul would reorder it on every call, a third of a
-    64-row product of SmolLM2's narrow projections. Where kvflow's CPU kernels have AVX-512 BF16,
-    its own panels for packed_linear (measured at 64 rows: 450 GFLOP/s, oneDNN 420, and oneDNN
-    loses a further fifth once the weights come from memory rather than cache); elsewhere,
-    oneDNN's blocked layout."""
+    """A bfloat16 CPU weight [out_features, in_features] reordered once, at load, into the panels of
+    kvflow's packed_linear kernel, for many-row products (prefill, batched decode). torch's matmul
+    would reorder it on every call, and its bf16 matmul needs AVX-512 to be fast. The kernel runs on
+    every CPU (kvflow.platform says how: vdpbf16ps, or bf16 widened to float32 FMAs); see
+    docs/benchmarks.md for its rates. gate_up: a gated MLP's [gate; up] weight, packed so that
+    silu(gate) * up comes out of the product's epilogue (silu_and_mul)."""
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int = 64, gate_up: bool = False):
+    def __init__(self, weight: torch.Tensor, gate_up: bool = False):
         self.out_features = weight.shape[0]
-        self.native = ops.cpu_isa() == "avx512_bf16"
-        self.gate_up = gate_up  # packed for silu_and_mul rather than matmul (see GateUpLinear)
-        if gate_up and not self.native:
-            raise ValueError("a gate_up packing needs kvflow's AVX-512 BF16 kernels")
-        if self.native:
-            self.data = ops.pack_linear_weight(weight, gate_up)
-        else:
-            self.data = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.gate_up = gate_up
+        self.data = ops.pack_linear_weight(weight, gate_up)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, batch_hint: int = 64, gate_up: bool = False) -> "PackedWeight | None":
-        """The packed copy of `weight`, or None where it cannot be packed (another dtype or
-        device, or neither kvflow's kernel nor oneDNN here). gate_up needs kvflow's kernel."""
+    def of(cls, weight: torch.Tensor, gate_up: bool = False) -> "PackedWeight | None":
+        """The packed copy of `weight`, or None where it cannot be packed (another dtype or device)."""
         if not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
             return None
-        if ops.cpu_isa() != "avx512_bf16" and not (torch.backends.mkldnn.is_available()
-                                                   and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        if gate_up and weight.shape[0] % 2:
             return None
-        return cls(weight, batch_hint, gate_up)
+        return cls(weight, gate_up)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [rows, in_features] bfloat16 -> [rows, out_features] of out_dtype (bfloat16 or
-        float32; the native kernel writes float32 straight from its accumulators)."""
+        float32, written straight from the float32 accumulators)."""
         if self.gate_up:
             raise ValueError("a weight packed with gate_up gives silu_and_mul, not the plain product")
-        if self.native:
-            return ops.packed_linear(x, self.data, self.out_features, bias, out_dtype=out_dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "").to(out_dtype)
+        return ops.packed_linear(x, self.data, self.out_features, bias, out_dtype=out_dtype)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] bfloat16 -> silu(x @ gate.T) * (x @ up.T), [rows, out_features / 2],
@@ -78,11 +68,11 @@ class Linear(nn.Module):
             return self.packed_weight.matmul(x, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
-    def prepack(self, batch_hint: int = 64) -> bool:
+    def prepack(self) -> bool:
         """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where the
         weight cannot be packed (another dtype or device)."""
-        self.packed_weight = PackedWeight.of(self.weight, batch_hint)
+        self.packed_weight = PackedWeight.of(self.weight)
         return self.packed_weight is not None
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -110,9 +100,8 @@ class MergedLinear(Linear):
 
 class GateUpLinear(MergedLinear):
     """The gate|up projection of a gated MLP, [gate; up] in one weight. silu_and_mul(x) gives
-    silu(x @ gate.T) * (x @ up.T). Prepacked on CPUs with AVX-512 BF16, the activation runs in the
-    product's epilogue, so the [rows, 2d] product is never written out and read back (measured:
-    the separate silu_and_mul was 2% of offline time)."""
+    silu(x @ gate.T) * (x @ up.T). Prepacked, the activation runs in the product's epilogue, so the
+    [rows, 2d] product is never written out and read back."""
 
     def __init__(self, in_features: int, intermediate_size: int, dtype: torch.dtype | None = None):
         super().__init__(in_features, [intermediate_size] * 2, dtype=dtype)
@@ -134,9 +123,9 @@ class GateUpLinear(MergedLinear):
             return self.packed_weight.silu_and_mul(x)
         return self.act(self(x))
 
-    def prepack(self, batch_hint: int = 64) -> bool:
-        """As Linear.prepack; with kvflow's AVX-512 BF16 kernels, packed for silu_and_mul."""
-        self.packed_weight = PackedWeight.of(self.weight, batch_hint, gate_up=ops.cpu_isa() == "avx512_bf16")
+    def prepack(self) -> bool:
+        """As Linear.prepack, packed for silu_and_mul."""
+        self.packed_weight = PackedWeight.of(self.weight, gate_up=True)
         return self.packed_weight is not None
 
 

@@ -97,13 +97,13 @@ class LlamaDecoderLayer(nn.Module):
     def fused_cpu_args(self) -> tuple:
         """The layer's weights and constants for llama_decoder_layer, gathered once: looking them
         up through nn.Module attributes on every call cost about 25 us a layer, some 0.8 ms of a
-        10 ms batch-1 decode step. Last, the PackedWeights of its four projections where all are
-        kvflow's own panels (their .data read per call, so that moving them stays visible), else
+        10 ms batch-1 decode step. Last, the PackedWeights of its four projections where all four are
+        packed (their .data read per call, so that moving them stays visible), else
         None. Dropped whenever the module's tensors are replaced (_apply) or repacked."""
         attn, mlp = self.self_attn, self.mlp
         packed = (attn.qkv_proj.packed_weight, attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
                   mlp.down_proj.packed_weight)
-        native = all(p is not None and p.native for p in packed) and packed[2].gate_up
+        native = all(p is not None for p in packed) and packed[2].gate_up
         self._fused_cpu_args = (
             self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
             self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
@@ -196,10 +196,10 @@ class LlamaForCausalLM(nn.Module):
         """hidden [rows, hidden_size] (only the rows to sample) -> float32 logits [rows, vocab_size]."""
         return self.lm_head(hidden)
 
-    def prepack_linear_weights(self, batch_hint: int = 64) -> int:
+    def prepack_linear_weights(self) -> int:
         """Packed copies of the projection weights for many-row products on the CPU (see
         Linear.prepack); returns how many were packed."""
-        packed = sum(module.prepack(batch_hint) for module in self.modules() if isinstance(module, (Linear, LMHead)))
+        packed = sum(module.prepack() for module in self.modules() if isinstance(module, (Linear, LMHead)))
         for layer in self.layers:
             layer._fused_cpu_args = None  # gathered again, with the new packed weights
         return packed

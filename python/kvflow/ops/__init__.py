@@ -22,8 +22,11 @@ def cpu_isa() -> str:
 
 
 def set_cpu_isa(name: str) -> None:
-    """Switch the CPU kernels to 'scalar', 'avx2', 'avx512' or 'avx512_bf16'; raises ValueError if unsupported."""
-    _C.set_cpu_isa(name)
+    """Switch the CPU kernels to 'scalar', 'avx2', 'avx512' or 'avx512_bf16' (kvflow.platform.force_isa):
+    raises ValueError if this CPU cannot run it, or while an engine exists."""
+    from kvflow import platform
+
+    platform.force_isa(name)
 
 
 __all__ = [

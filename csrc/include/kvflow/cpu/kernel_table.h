@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvflow/numeric.h"
@@ -186,6 +187,9 @@ const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 const KernelTable& avx512_bf16_kernels();
+
+// Each x86 feature kvflow asks about, and whether this CPU (and OS) has it; empty elsewhere.
+std::vector<std::pair<std::string, bool>> cpu_features();
 
 // Names of the instruction sets this CPU (and OS) can run, narrowest first.
 std::vector<std::string> supported_isas();

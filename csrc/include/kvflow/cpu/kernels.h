@@ -285,6 +285,9 @@ template <class V, typename T, int kOut, int kRows>
 inline void small_linear_tile(const LinearOut<T>& y, int64_t y_index, const T* x, const T* w, const T* b,
                               int64_t in_features, int64_t out_features) {
   constexpr int W = V::kWidth;
+  // Fewer than four dot products would wait on the FMA's latency (4 cycles) rather than on
+  // the weights: those keep kSplit partial sums each, over interleaved vectors of k.
+  constexpr int kSplit = kRows * kOut >= 4 ? 1 : 4 / (kRows * kOut);
   typename V::Reg acc[kRows][kOut];
   for (int r = 0; r < kRows; ++r) {
     for (int o = 0; o < kOut; ++o) acc[r][o] = V::zero();
@@ -294,6 +297,30 @@ inline void small_linear_tile(const LinearOut<T>& y, int64_t y_index, const T* x
   // left to the rows being read (at 4-8 input rows they are read once per row block).
   const int64_t ahead = 2 * kOut * in_features;
   int64_t k = 0;
+  if constexpr (kSplit > 1) {
+    typename V::Reg part[kSplit - 1][kRows][kOut];
+    for (int i = 0; i < kSplit - 1; ++i) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int o = 0; o < kOut; ++o) part[i][r][o] = V::zero();
+      }
+    }
+    for (; k + kSplit * W <= in_features; k += kSplit * W) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int o = 0; o < kOut; ++o) {
+          acc[r][o] = V::fmadd(V::load(x + r * in_features + k), V::load(w + o * in_features + k), acc[r][o]);
+          for (int i = 0; i < kSplit - 1; ++i) {
+            const int64_t ki = k + (i + 1) * W;
+            part[i][r][o] = V::fmadd(V::load(x + r * in_features + ki), V::load(w + o * in_features + ki), part[i][r][o]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < kSplit - 1; ++i) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int o = 0; o < kOut; ++o) acc[r][o] = V::add(acc[r][o], part[i][r][o]);
+      }
+    }
+  }
   for (; k + W <= in_features; k += W) {
     typename V::Reg wv[kOut];
     if constexpr (kOut > 1) {

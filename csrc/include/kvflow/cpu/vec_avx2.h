@@ -25,6 +25,13 @@ struct VecAvx2 {
   static Reg load(const float16* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  // 8 features of the pair layout [feature][2] (16 bfloat16 values): the even input feature is
+  // the low half of each 32-bit lane, the odd one the high half.
+  static void load_pair_halves(const bfloat16* p, Reg& even, Reg& odd) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int32_t(0xffff0000u))));
+  }
 
   static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
   static void store(bfloat16* p, Reg v) {
