@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import kvflow
-from kvflow import ops
+from kvflow import ops, platform
 from timing import read_bandwidth, timed, write_markdown
 
 
@@ -161,7 +161,8 @@ def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
     what torch.compile's CPU backend and IPEX use). Each pass runs over every copy of a model's
     worth of weights (>= 200 MB), so that they come from memory, as a model's layers do."""
     lines = ["", "packed_linear, bfloat16 weights from memory: GFLOP/s (time per product)", "",
-             "| rows x in -> out | kvflow | oneDNN prepacked | F.linear | vs oneDNN |", "|---|---:|---:|---:|---:|"]
+             "| rows x in -> out | kvflow | oneDNN prepacked | F.linear | F.linear float32 | vs oneDNN | vs float32 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     for in_features, out_features in shapes:
         copies = max(1, -(-(200 << 20) // (2 * in_features * out_features)))
@@ -169,8 +170,8 @@ def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
         ours = [ops.pack_linear_weight(w) for w in weights]
         for rows in rows_grid:
             onednn = ([torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-                      if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-                      else None)
+                      if platform.current().torch_onednn_bf16 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                      else None)  # oneDNN's bf16 path needs AVX-512 (or AVX-NE-CONVERT)
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
             out = torch.empty(rows, out_features, dtype=torch.bfloat16)
             flops = 2 * rows * in_features * out_features
@@ -188,12 +189,21 @@ def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
                 for w in weights:
                     F.linear(x, w)
 
+            weights32 = [w.float() for w in weights[:max(1, copies // 2)]]  # the same bytes from memory
+            x32 = x.float()
+
+            def run_float32():
+                for w in weights32:
+                    F.linear(x32, w)
+
             t_ours = timed(run_ours, "cpu", 1, runs) / copies
             t_torch = timed(run_torch, "cpu", 1, runs) / copies
             t_onednn = timed(run_onednn, "cpu", 1, runs) / copies if onednn is not None else float("nan")
+            t_float32 = timed(run_float32, "cpu", 1, runs) / len(weights32)
+            del weights32
             gf = lambda t: f"{flops / t / 1e9:.0f} ({t * 1e6:.0f} us)"  # noqa: E731
             lines.append(f"| {rows} x {in_features} -> {out_features} | {gf(t_ours)} | {gf(t_onednn)} | "
-                         f"{gf(t_torch)} | {t_onednn / t_ours:.2f}x |")
+                         f"{gf(t_torch)} | {gf(t_float32)} | {t_onednn / t_ours:.2f}x | {t_float32 / t_ours:.2f}x |")
             print(lines[-1], flush=True)
         del weights, ours
     return lines
@@ -284,8 +294,7 @@ def main():
     if args.device == "cpu" and args.packed_rows and not args.ops and dtype == torch.bfloat16:
         rows += packed_linear_table(args.packed_rows, [(576, 960), (576, 3072), (1536, 576), (576, 49152)],
                                     args.repeat)
-        if ops.cpu_isa() == "avx512_bf16":  # elsewhere the layers keep oneDNN's matmul and a separate activation
-            rows += packed_silu_table(args.packed_rows, 576, 1536, args.repeat)
+        rows += packed_silu_table(args.packed_rows, 576, 1536, args.repeat)
     write_markdown(args.markdown, header + rows)
 
 

@@ -10,6 +10,7 @@
 
 #include "block_allocator.h"
 #include "kvflow/cpu/kernel_table.h"
+#include "cpu/decoder_layer.h"
 #include "ops.h"
 
 TORCH_LIBRARY(kvflow, m) {
@@ -130,6 +131,14 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cpu_features", &kvflow::cpu::cpu_features,
         "Each x86 feature kvflow asks about (by /proc/cpuinfo's names), and whether this CPU has it.");
+  m.def(
+      "decode_region_stats",
+      [] {
+        const kvflow::cpu::RegionStats s = kvflow::cpu::decode_region_stats();
+        return py::make_tuple(s.steps, s.wall_seconds, s.thread_seconds, s.wait_thread_seconds);
+      },
+      "(steps, wall seconds, thread-seconds, thread-seconds waiting at barriers) of every one-region decode "
+      "step so far in this process.");
   m.def("supported_cpu_isas", &kvflow::cpu::supported_isas,
         "Instruction sets the CPU kernels can use on this machine, narrowest first.");
   m.def(

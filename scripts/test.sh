@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs kvflow from this checkout into ./.venv (scripts/install.sh, with the test extras) and runs
 # every check: the C++ unit tests (ctest), the CUDA compile check for sm_90a when a CUDA toolkit
-# is present (required under CI=true), then the pytest suite.
+# is present (required under CI=true), the engine on emulated AVX2-only and pre-AVX2 CPUs
+# (scripts/emulated_cpu_check.sh), then the pytest suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,9 @@ elif [ "${CI:-}" = "true" ]; then
 else
   echo "no CUDA toolkit found: CUDA compile check not run"
 fi
+
+echo "== emulated CPUs (qemu-user): AVX2 without AVX-512, and no AVX2 at all"
+bash scripts/emulated_cpu_check.sh
 
 echo "== pytest"
 python -m pytest -q tests

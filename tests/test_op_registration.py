@@ -143,7 +143,10 @@ def test_torch_compile_fullgraph_matches_eager():
     expected = decoder_mlp_block(*eager_inputs)
     compiled = torch.compile(decoder_mlp_block, fullgraph=True)
     actual = compiled(*compiled_inputs)
-    torch.testing.assert_close(actual, expected)
+    # Inductor writes its own kernels for the graph's plain torch reductions (x.sum, attn.sum), whose
+    # float32 summation order follows the CPU's vector width and the thread count, not eager's: a
+    # few float32 ulps of a sum of 6,336 values (seen: 3e-6 relative on AVX2), added to every element.
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     # The in-place writes (x, residual, qkv, caches) must happen under compilation too.
     for eager_t, compiled_t in zip(eager_inputs, compiled_inputs):
         torch.testing.assert_close(compiled_t, eager_t)

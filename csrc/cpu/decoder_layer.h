@@ -78,4 +78,16 @@ bool run_layers_in_one_region(at::Tensor& hidden, at::Tensor& residual,
                               at::TensorList key_caches, at::TensorList value_caches, const StepArgs& s,
                               Scratch& scratch, const StepPlans& plans);
 
+// What the one-region steps cost so far, summed over every step since the process started: how
+// many, their wall time, and the time their threads spent waiting at the barriers between
+// kernels (thread-seconds, summed over the threads). Waits are a few percent of the threads' time
+// when they have the cores to themselves; far more when another process takes one of them.
+struct RegionStats {
+  int64_t steps;
+  double wall_seconds;
+  double thread_seconds;
+  double wait_thread_seconds;
+};
+RegionStats decode_region_stats();
+
 }  // namespace kvflow::cpu

@@ -13,6 +13,7 @@ import torch
 from kvflow import platform
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
+from kvflow.engine.cpu_threads import CpuThreadGovernor
 from kvflow.engine.huge_pages import move_parameters_to_huge_pages
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
@@ -67,6 +68,7 @@ class LLMEngine:
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         self.platform = platform.hold(self)  # the CPU instruction set stays as it is while this engine lives
+        self.cpu_threads = None if config.on_cuda else CpuThreadGovernor(torch.get_num_threads())
         if not config.on_cuda and not self.platform.vector_kernels:
             logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
                            self.platform.model)
@@ -189,7 +191,11 @@ class LLMEngine:
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
         try:
-            sampled = self.runner.execute(batch)
+            if self.cpu_threads is None:
+                sampled = self.runner.execute(batch)
+            else:
+                with self.cpu_threads.step():
+                    sampled = self.runner.execute(batch)
         except BaseException:
             # The step's keys and values are half written, yet its full blocks are already in the
             # prefix cache: end its requests and drop those entries before anyone reuses them.

@@ -1,0 +1,73 @@
+"""The engine steps on one thread while another process takes a core, and returns to all of its
+threads afterwards (kvflow.engine.cpu_threads), judged from the decode region's barrier waits."""
+
+import types
+
+import torch
+
+import kvflow
+from kvflow.engine import cpu_threads
+from kvflow.engine.cpu_threads import CpuThreadGovernor
+
+
+class FakeRegion:
+    """decode_region_stats as the region would count them: steps, wall, thread and waiting seconds."""
+
+    def __init__(self):
+        self.stats = (0, 0.0, 0.0, 0.0)
+
+    def run(self, steps: int, wait_share: float, threads: int = 2, seconds: float = 0.01):
+        s, wall, busy, wait = self.stats
+        self.stats = (s + steps, wall + steps * seconds, busy + steps * seconds * threads,
+                      wait + steps * seconds * threads * wait_share)
+
+    def decode_region_stats(self):
+        return self.stats
+
+
+def test_governor_steps_on_one_thread_while_barriers_wait_and_comes_back(monkeypatch):
+    region = FakeRegion()
+    clock = [100.0]
+    monkeypatch.setattr(cpu_threads, "_C", types.SimpleNamespace(decode_region_stats=region.decode_region_stats))
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    governor = CpuThreadGovernor(2)
+
+    def step(wait_share: float, steps: int = CpuThreadGovernor.WINDOW_STEPS) -> int:
+        """One engine step, standing for `steps` region steps; the threads it ran with."""
+        with governor.step():
+            inside = torch.get_num_threads()
+            if inside > 1:
+                region.run(steps, wait_share)
+        assert torch.get_num_threads() == 2, "outside a step torch keeps all its threads"
+        return inside
+
+    try:
+        for _ in range(3):  # a machine to itself: a few percent at the barriers
+            assert step(0.05) == 2
+        assert not governor.reduced
+        assert step(0.6, CpuThreadGovernor.WINDOW_STEPS - 1) == 2
+        assert not governor.reduced, "judged only over a whole window"
+        assert step(0.6, 1) == 2
+        assert governor.reduced
+        assert step(0.6) == 1
+        clock[0] += CpuThreadGovernor.ONE_THREAD_SECONDS / 2
+        assert step(0.6) == 1
+        clock[0] += CpuThreadGovernor.ONE_THREAD_SECONDS
+        assert step(0.05) == 2  # tried again: the core is free, so all threads stay
+        assert step(0.05) == 2 and not governor.reduced
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_region_counts_its_steps_and_waits():
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)
+    before = kvflow._C.decode_region_stats()
+    llm = kvflow.LLM(kv_cache_memory=1 << 24, max_model_len=256)
+    llm.generate(["Hello"], kvflow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    steps, wall, busy, waited = (a - b for a, b in zip(kvflow._C.decode_region_stats(), before))
+    assert steps >= 5  # every decode step of one request runs in the region
+    assert 0 < wall and wall * 1.5 <= busy <= wall * torch.get_num_threads() * 1.01 + 1e-3
+    assert 0 <= waited < busy
