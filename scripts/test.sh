@@ -37,4 +37,4 @@ echo "== emulated CPUs (qemu-user): AVX2 without AVX-512, and no AVX2 at all"
 bash scripts/emulated_cpu_check.sh
 
 echo "== pytest"
-python -m pytest -q tests
+python -m pytest -q --durations=20 tests

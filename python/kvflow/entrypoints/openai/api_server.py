@@ -69,97 +69,116 @@ async def _unless_disconnected(request: Request, coroutine):
             task.cancel()
 
 
+def _state(request: Request):
+    return request.app.state
+
+
+async def _check_api_key(request: Request) -> None:
+    api_key = _state(request).api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
+                       code="invalid_api_key")
+
+
+async def _check_accepting(request: Request) -> None:
+    if _state(request).draining:
+        raise APIError(503, "the server is shutting down", "service_unavailable")
+
+
+async def _respond(handler, body, request: Request):
+    model_name = _state(request).model_name
+    if body.model is not None and body.model != model_name:
+        raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{model_name}`",
+                       "invalid_request_error", "model", "model_not_found")
+    try:
+        result = await _unless_disconnected(request, handler(body))
+    except QueueFullError as error:
+        raise APIError(503, str(error), "service_unavailable") from error
+    except EngineStepError as error:
+        raise APIError(500, str(error), "internal_error") from error
+    except ValueError as error:
+        raise APIError(400, str(error), "invalid_request_error") from error
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# Routes are module-level and reach the engine through app.state: FastAPI keeps every endpoint
+# it has seen in process-wide caches, so an endpoint closing over the engine would keep it alive.
+_v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+_root = APIRouter()
+
+
+@_v1.get("/models")
+async def _models(request: Request):
+    state = _state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "kvflow", "max_model_len": state.engine.max_model_len}]}
+
+
+@_v1.post("/completions", dependencies=[Depends(_check_accepting)])
+async def _completions(body: CompletionRequest, request: Request):
+    return await _respond(_state(request).serving.completions, body, request)
+
+
+@_v1.post("/chat/completions", dependencies=[Depends(_check_accepting)])
+async def _chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _respond(_state(request).serving.chat, body, request)
+
+
+@_root.get("/health")
+async def _health(request: Request):
+    return Response(status_code=503 if _state(request).draining else 200)
+
+
+@_root.get("/metrics")
+async def _prometheus_metrics(request: Request):
+    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _api_error(request: Request, error: APIError):
+    return _error_response(error.status, error.message, error.type, error.param, error.code)
+
+
+async def _unexpected_error(request: Request, error: Exception):
+    logger.exception("unexpected error serving %s", request.url.path)
+    return _error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
+
+
+async def _validation_error(request: Request, error: RequestValidationError):
+    message, param = _validation_message(error)
+    return _error_response(400, message, "invalid_request_error", param)
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    await app.state.async_engine.abort_all()
+    await app.state.async_engine.shutdown()
+    logger.info("kvflow server stopped; %d KV blocks in use", app.state.engine.allocator.num_used_blocks)
+
+
 def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None) -> FastAPI:
     """The FastAPI application serving `async_engine` under `model_name`."""
-    engine = async_engine.engine
-    metrics = EngineMetrics(engine.stats, model_name)
+    metrics = EngineMetrics(async_engine.engine.stats, model_name)
     async_engine.on_finished = metrics.observe_finished
-    serving = OpenAIServing(async_engine, model_name, max_queue_len)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        yield
-        await async_engine.abort_all()
-        await async_engine.shutdown()
-        logger.info("kvflow server stopped; %d KV blocks in use", engine.allocator.num_used_blocks)
-
-    app = FastAPI(title="kvflow", lifespan=lifespan)
-    app.state.engine = engine
+    app = FastAPI(title="kvflow", lifespan=_lifespan)
+    app.state.engine = async_engine.engine
     app.state.async_engine = async_engine
+    app.state.serving = OpenAIServing(async_engine, model_name, max_queue_len)
     app.state.metrics = metrics
+    app.state.model_name = model_name
+    app.state.api_key = api_key
     app.state.draining = False
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
-                           code="invalid_api_key")
-
-    async def check_accepting(request: Request) -> None:
-        if app.state.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable")
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model != model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{model_name}`",
-                           "invalid_request_error", "model", "model_not_found")
-
-    async def respond(handler, body, request: Request):
-        check_model(body.model)
-        try:
-            result = await _unless_disconnected(request, handler(body))
-        except QueueFullError as error:
-            raise APIError(503, str(error), "service_unavailable") from error
-        except EngineStepError as error:
-            raise APIError(500, str(error), "internal_error") from error
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error") from error
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    @v1.get("/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "kvflow", "max_model_len": engine.max_model_len}]}
-
-    @v1.post("/completions", dependencies=[Depends(check_accepting)])
-    async def completions(body: CompletionRequest, request: Request):
-        return await respond(serving.completions, body, request)
-
-    @v1.post("/chat/completions", dependencies=[Depends(check_accepting)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await respond(serving.chat, body, request)
-
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=503 if app.state.draining else 200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return _error_response(error.status, error.message, error.type, error.param, error.code)
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(request: Request, error: Exception):
-        logger.exception("unexpected error serving %s", request.url.path)
-        return _error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError):
-        message, param = _validation_message(error)
-        return _error_response(400, message, "invalid_request_error", param)
-
+    app.include_router(_v1)
+    app.include_router(_root)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     return app
 
 
