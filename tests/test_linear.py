@@ -11,8 +11,8 @@ from conftest import DTYPES, TOLERANCES
 from kvflow import ops
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
-@pytest.mark.parametrize("in_features,out_features", [(111, 97), (576, 1536), (769, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("in_features,out_features", [(111, 97), (117, 37), (576, 1536), (769, 1)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear(rows, in_features, out_features, dtype, with_bias, cpu_isa):

@@ -21,6 +21,7 @@
 
 #include "kvflow/cpu/kernels.h"
 #include "kvflow/cpu/packed_linear_widened.h"
+#include "kvflow/cpu/small_linear_widened.h"
 #include "kvflow/cpu/vec_avx2.h"
 
 namespace kvflow::cpu {
@@ -30,6 +31,7 @@ KernelTable make_avx2_table() {
   KernelTable table = make_kernel_table<VecAvx2>("avx2");
   // 6 rows x 16 features: 12 accumulators, 2 widened weights and a broadcast in 16 registers.
   table.packed_linear = PackedLinearWidened<VecAvx2, 6, 2>::run;
+  table.small_linear[int(DType::kBFloat16)] = SmallLinearWidened<VecAvx2>::run;
   return table;
 }
 
