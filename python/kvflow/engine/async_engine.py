@@ -49,7 +49,6 @@ class AsyncLLMEngine:
         self._calls: queue.Queue = queue.Queue()  # (function, args, future or None), or _STOP
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.num_pending_adds = 0  # requests on their way to the engine thread
 
     @classmethod
     def from_config(cls, config: EngineConfig,
@@ -99,7 +98,6 @@ class AsyncLLMEngine:
         arrival = time.perf_counter()  # before the wait for the engine thread, which counts too
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = outputs
-        self.num_pending_adds += 1
         try:
             await self._call(self.engine.add_request, request_id, prompt, params, arrival)
         except ValueError:
@@ -108,8 +106,6 @@ class AsyncLLMEngine:
         except BaseException:  # cancelled while queued: the engine may add it after all
             self.abort_nowait(request_id)
             raise
-        finally:
-            self.num_pending_adds -= 1
         return RequestStream(self, request_id, self._outputs(request_id, outputs))
 
     async def _outputs(self, request_id: str, outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:

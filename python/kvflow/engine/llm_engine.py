@@ -3,6 +3,7 @@
 step() = scheduler.schedule() -> model_runner.execute() -> append tokens, detokenize, check stop
 conditions, free finished requests' blocks -> RequestOutputs for every request that advanced."""
 
+import dataclasses
 import logging
 import random
 import time
@@ -18,7 +19,7 @@ from kvflow.engine.huge_pages import move_parameters_to_huge_pages
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvflow.engine.sampling_params import SamplingParams
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, check_int, check_text
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.stop_strings import StopStringMatcher
@@ -103,6 +104,8 @@ class LLMEngine:
         self._prompt_tokens = 0          # admitted so far
         self._cached_prompt_tokens = 0   # of which the prefix cache served
         self._generated_tokens = 0
+        self._unforked_samples = 0       # samples 1..n-1 of requests whose prompt is not computed yet
+        self._step_failures = 0          # model steps that raised (each aborted its requests)
         self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
@@ -119,15 +122,18 @@ class LLMEngine:
         """Queues a request (text, or token ids). Raises ValueError for a malformed one, or one
         that could never fit the model's context or the KV pool. arrival_time (perf_counter)
         defaults to now."""
-        params = params or SamplingParams()
+        if params is not None and not isinstance(params, SamplingParams):
+            raise SamplingParamsError("params", f"must be SamplingParams, got {type(params).__name__}")
+        # The engine's own copy, checked again: the caller's may have been changed since it was made.
+        params = SamplingParams() if params is None else dataclasses.replace(params)
+        if not isinstance(request_id, str):
+            raise SamplingParamsError("request_id", f"must be a string, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        text, ids = self.prompt_token_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", f"must be token ids in [0, {vocab})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         samples = []
         for index in range(params.n):
@@ -138,6 +144,20 @@ class LLMEngine:
                                    StopStringMatcher(params.stop), logprobs=[] if params.logprobs is not None else None))
         self.scheduler.add(samples[0].seq)
         self._requests[request_id] = _Request(request_id, text, ids, samples, samples[1:])
+        self._unforked_samples += params.n - 1
+
+    def prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt given as text or as token ids, checked: text
+        must be valid Unicode, ids ints (not floats or bools) in the vocabulary, and neither empty."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(check_text("prompt", prompt))
+            if not ids:
+                raise SamplingParamsError("prompt", "must not be empty")
+            return prompt, ids
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise SamplingParamsError("prompt", "must be text or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        return None, [check_int("prompt", t, 0, vocab - 1) for t in prompt]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its blocks. Returns its final output (the unfinished
@@ -145,6 +165,8 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        self._unforked_samples -= len(request.unforked)
+        request.unforked = []
         self._finished_requests["abort"] += 1
         now = time.perf_counter()
         for sample in request.samples:
@@ -159,6 +181,12 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
+
+    @property
+    def num_queued_samples(self) -> int:
+        """Samples not yet running: the scheduler's waiting queue, and the samples 1..n-1 of
+        requests whose prompt is not computed yet. Safe to read from another thread."""
+        return len(self.scheduler.waiting) + self._unforked_samples
 
     @property
     def num_kv_tokens(self) -> int:
@@ -196,9 +224,15 @@ class LLMEngine:
             else:
                 with self.cpu_threads.step():
                     sampled = self.runner.execute(batch)
-        except BaseException:
-            # The step's keys and values are half written, yet its full blocks are already in the
-            # prefix cache: end its requests and drop those entries before anyone reuses them.
+        except BaseException as error:
+            # Every request's input was checked when it was added, so this is the engine's own
+            # fault (a kernel error, or an interrupt). The step's keys and values are half
+            # written, yet its full blocks are already in the prefix cache: end its requests and
+            # drop those entries before anyone reuses them.
+            if isinstance(error, Exception):
+                self._step_failures += 1
+                logger.error("kvflow: a model step of %d requests failed and they were aborted: %s: %s",
+                             len({s.seq.request_id for s in plan.scheduled}), type(error).__name__, error)
             for s in plan.scheduled:
                 self.abort_request(s.seq.request_id)
             self.allocator.reset_prefix_cache()
@@ -250,6 +284,7 @@ class LLMEngine:
             sample.seq.num_computed_tokens = prompt_len - 1
             sample.seq.block_hashes = parent.block_hashes[: (prompt_len - 1) // self.scheduler.config.block_size]
             self.scheduler.add_forked(sample.seq)
+        self._unforked_samples -= len(request.unforked)
         request.unforked = []
 
     def _advance(self, sample: _Sample, now: float) -> None:
@@ -311,4 +346,5 @@ class LLMEngine:
             "generated_tokens": self._generated_tokens,
             "cached_prompt_tokens": self._cached_prompt_tokens,
             "finished_requests": dict(self._finished_requests),
+            "step_failures": self._step_failures,
         }

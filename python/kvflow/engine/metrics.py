@@ -49,6 +49,8 @@ class _EngineStatsCollector:
                       stats["prompt_tokens"])
         yield counter("kvflow:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
                       stats["cached_prompt_tokens"])
+        yield counter("kvflow:model_step_failures", "Model steps that failed (their requests were aborted).",
+                      stats["step_failures"])
         finished = CounterMetricFamily("kvflow:request_success", "Finished requests, by finish reason.",
                                        labels=["model_name", "finished_reason"])
         for reason, count in stats["finished_requests"].items():

@@ -1,6 +1,71 @@
-"""What a request asks of the sampler and of the stop conditions, checked when it is made."""
+"""What a request asks of the sampler and of the stop conditions, checked when it is made.
 
+Every field is checked for its type and for the range the kernels represent it in (int32,
+int64 or float32, after the conversion), so that a request that is accepted can never fail a
+model step for the others in its batch."""
+
+import math
+import numbers
 from dataclasses import dataclass, field
+
+INT32_MAX = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+MAX_SAMPLES = 128      # n: samples share the prompt, but each holds its own blocks
+MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5  # below it the logits over the temperature overflow float32; 0 is greedy
+
+
+class SamplingParamsError(ValueError):
+    """A field of SamplingParams (or of a request) is invalid; `field` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def check_int(name: str, value, low: int, high: int) -> int:
+    """value as an int in [low, high], or SamplingParamsError; floats and bools are refused
+    rather than rounded."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if not low <= value <= high:
+        raise SamplingParamsError(name, f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_float(name: str, value, low: float, high: float, low_open: bool = False) -> float:
+    """value as a finite float in [low, high] (or (low, high]) once rounded to float32, which is
+    what the sampler sees: 1e-46 is 0 there, and 1e39 is infinite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise SamplingParamsError(name, f"must be a finite float32, got {value!r}")
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise SamplingParamsError(name, f"{value!r} is too small for float32 (it would be 0 in the sampler)")
+    if value < low or value > high or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise SamplingParamsError(name, f"must be in {interval}, got {value!r}")
+    return value
+
+
+def check_text(name: str, value: str) -> str:
+    """value as text that encodes as UTF-8 (a lone surrogate does not)."""
+    if not isinstance(value, str):
+        raise SamplingParamsError(name, f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise SamplingParamsError(name, f"is not valid Unicode text ({error.reason} at {error.start})") from None
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingParamsError(name, f"must be true or false, got {type(value).__name__} {value!r}")
+    return value
 
 
 @dataclass
@@ -22,24 +87,35 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        self.n = check_int("n", self.n, 1, MAX_SAMPLES)
+        self.temperature = check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingParamsError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                                                     f"got {self.temperature!r}")
+        self.top_k = check_int("top_k", self.top_k, 0, INT32_MAX)
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            self.seed = check_int("seed", self.seed, 0, (1 << 63) - 1)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX,
+                                              low_open=True)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
-            (self.top_k >= 0, f"top_k must be non-negative (0 = off), got {self.top_k}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be positive, got {self.repetition_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        if not isinstance(self.stop, (list, tuple)):
+            raise SamplingParamsError("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+        self.stop = [check_text("stop", s) for s in self.stop]
+        if not all(self.stop):
+            raise SamplingParamsError("stop", "must not contain an empty string")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsError("stop_token_ids", "must be a list of token ids")
+        self.stop_token_ids = [check_int("stop_token_ids", t, 0, INT32_MAX) for t in self.stop_token_ids]
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
 
     @property
     def greedy(self) -> bool:

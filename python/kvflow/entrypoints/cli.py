@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from kvflow.engine.config import DTYPES
+from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BYTES
 
 
 def parse_memory(text: str) -> int:
@@ -83,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (or set KVFLOW_API_KEY)")
     serve.add_argument("--max-queue-len", type=int, default=None,
-                       help="waiting requests beyond which new ones get 503 (default: unbounded)")
+                       help="waiting samples (prompts x n) beyond which new requests get 503 (default: unbounded)")
+    serve.add_argument("--max-request-bytes", type=parse_memory, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="largest request body accepted, e.g. 8M (default); larger ones get 413")
+    serve.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                       help="prompts one completion request may carry (default: %(default)s)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish at shutdown before they are aborted")
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

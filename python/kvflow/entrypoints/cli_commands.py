@@ -64,6 +64,7 @@ def _prompt_ids(engine: LLMEngine, args, text: str) -> list[int]:
 
 
 def generate(args) -> int:
+    _sampling_params(args)  # a bad flag is an error before the model loads
     engine = _engine(args)
     if args.prompt is not None:
         output = _run_streaming(engine, "generate-0", _prompt_ids(engine, args, args.prompt), _sampling_params(args))
@@ -87,6 +88,7 @@ def generate(args) -> int:
 
 
 def chat(args) -> int:
+    _sampling_params(args)  # a bad flag is an error before the model loads
     engine = _engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; an empty line or Ctrl-D ends the conversation.", file=sys.stderr)

@@ -6,7 +6,7 @@ import itertools
 from kvflow.engine.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import RequestOutput
-from kvflow.engine.sampling_params import SamplingParams
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 class LLM:
@@ -21,20 +21,28 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt (text, or token ids), in the order given."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """One RequestOutput per prompt (text, or token ids), in the order given. All or nothing:
+        if any prompt or parameter is invalid, no request is added."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and not isinstance(prompts[0], (str, list, tuple))):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise SamplingParamsError("prompts", f"must be text, token ids or a list of them, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for params in sampling_params:
+            if not isinstance(params, SamplingParams):
+                raise SamplingParamsError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        checked = [self.engine.prompt_token_ids(prompt) for prompt in prompts]
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for (text, token_ids), params in zip(checked, sampling_params):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, text if text is not None else token_ids, params)
                 ids.append(request_id)
-        except ValueError:
+        except BaseException:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise

@@ -8,6 +8,7 @@ flight finish for --shutdown-timeout seconds, aborts the rest, and exits 0."""
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import time
@@ -18,10 +19,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineStepError
 from kvflow.engine.metrics import EngineMetrics
+from kvflow.engine.sampling_params import SamplingParamsError
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BYTES
 from kvflow.entrypoints.openai.serving import OpenAIServing, QueueFullError
 
 logger = logging.getLogger("kvflow")
@@ -35,9 +39,59 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error may quote the client's own text,
+    which can hold a lone surrogate that UTF-8 cannot encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(status: int, message: str, type_: str, param: str | None = None,
                     code: str | int | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code if code is not None else status), status_code=status)
+    return _AsciiJSONResponse(error_body(message, type_, param, code if code is not None else status),
+                              status_code=status)
+
+
+def _authorized(api_key: str | None, headers: list[tuple[bytes, bytes]]) -> bool:
+    if api_key is None:
+        return True
+    value = next((v for k, v in headers if k == b"authorization"), b"").decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), api_key.encode())
+
+
+class _RequestGuard:
+    """Runs before routing and body parsing: the API key on /v1 routes (401 before anything of
+    the body is read), then the body's size limit (413, from its Content-Length or as it arrives)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["path"].startswith("/v1") and not _authorized(self.api_key, scope["headers"]):
+            error = _error_response(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                    "authentication_error", code="invalid_api_key")
+            return await error(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
+            error = _error_response(413, f"the request body is larger than {self.max_request_bytes} bytes",
+                                    "invalid_request_error", code="request_too_large")
+            return await error(scope, receive, send)
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_request_bytes:
+                    raise HTTPException(413, f"the request body is larger than {self.max_request_bytes} bytes")
+            return message
+
+        await self.app(scope, bounded_receive, send)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -73,16 +127,6 @@ def _state(request: Request):
     return request.app.state
 
 
-async def _check_api_key(request: Request) -> None:
-    api_key = _state(request).api_key
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
-                       code="invalid_api_key")
-
-
 async def _check_accepting(request: Request) -> None:
     if _state(request).draining:
         raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -99,6 +143,8 @@ async def _respond(handler, body, request: Request):
         raise APIError(503, str(error), "service_unavailable") from error
     except EngineStepError as error:
         raise APIError(500, str(error), "internal_error") from error
+    except SamplingParamsError as error:
+        raise APIError(400, str(error), "invalid_request_error", error.field) from error
     except ValueError as error:
         raise APIError(400, str(error), "invalid_request_error") from error
     if isinstance(result, dict):
@@ -108,7 +154,7 @@ async def _respond(handler, body, request: Request):
 
 # Routes are module-level and reach the engine through app.state: FastAPI keeps every endpoint
 # it has seen in process-wide caches, so an endpoint closing over the engine would keep it alive.
-_v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+_v1 = APIRouter(prefix="/v1")  # the API key is checked before routing, by _RequestGuard
 _root = APIRouter()
 
 
@@ -148,6 +194,11 @@ async def _unexpected_error(request: Request, error: Exception):
     return _error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
 
+async def _http_error(request: Request, error: HTTPException):
+    kind = "invalid_request_error" if error.status_code < 500 else "internal_error"
+    return _error_response(error.status_code, str(error.detail), kind)
+
+
 async def _validation_error(request: Request, error: RequestValidationError):
     message, param = _validation_message(error)
     return _error_response(400, message, "invalid_request_error", param)
@@ -158,27 +209,31 @@ async def _lifespan(app: FastAPI):
     yield
     await app.state.async_engine.abort_all()
     await app.state.async_engine.shutdown()
+    app.state.serving.prompt_tokenizer.close()
     logger.info("kvflow server stopped; %d KV blocks in use", app.state.engine.allocator.num_used_blocks)
 
 
 def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
-              max_queue_len: int | None = None) -> FastAPI:
-    """The FastAPI application serving `async_engine` under `model_name`."""
+              max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
+    """The FastAPI application serving `async_engine` under `model_name`. max_queue_len counts
+    samples (prompts x n)."""
     metrics = EngineMetrics(async_engine.engine.stats, model_name)
     async_engine.on_finished = metrics.observe_finished
     app = FastAPI(title="kvflow", lifespan=_lifespan)
     app.state.engine = async_engine.engine
     app.state.async_engine = async_engine
-    app.state.serving = OpenAIServing(async_engine, model_name, max_queue_len)
+    app.state.serving = OpenAIServing(async_engine, model_name, max_queue_len, max_prompts_per_request)
     app.state.metrics = metrics
     app.state.model_name = model_name
-    app.state.api_key = api_key
     app.state.draining = False
     app.include_router(_v1)
     app.include_router(_root)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_middleware(_RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     return app
 
 
@@ -222,7 +277,8 @@ def serve(args) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     async_engine = AsyncLLMEngine.from_config(build_engine_config(args))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
-    app = build_app(async_engine, model_name, api_key, args.max_queue_len)
+    app = build_app(async_engine, model_name, api_key, args.max_queue_len, args.max_request_bytes,
+                    args.max_prompts_per_request)
     # uvicorn's own deadline comes after ours, by which time every stream has ended.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

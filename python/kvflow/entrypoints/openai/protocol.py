@@ -4,9 +4,9 @@ SamplingParams. Field names, defaults and ranges follow OpenAI's API reference; 
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
-from kvflow.engine.sampling_params import SamplingParams
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 class StreamOptions(BaseModel):
@@ -15,29 +15,30 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     # OpenAI marks most fields nullable: null means the default, as if the field were absent.
+    # Types only: the ranges are SamplingParams' own checks, which name the field in the 400.
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=2)              # default 1
-    top_p: float | None = Field(None, gt=0, le=1)                    # default 1
-    n: int | None = Field(None, ge=1, le=128)                        # default 1
+    temperature: float | None = None                                 # default 1
+    top_p: float | None = None                                       # default 1
+    n: int | None = None                                             # default 1
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)        # default 0
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)       # default 0
+    seed: int | None = None
+    presence_penalty: float | None = None                            # default 0
+    frequency_penalty: float | None = None                           # default 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)                           # 0 or -1: off
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    top_k: int | None = None                                         # 0 or -1: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool | None = None
 
     @property
     def num_samples(self) -> int:
-        return self.n or 1
+        return 1 if self.n is None else self.n
 
     @property
     def streaming(self) -> bool:
@@ -50,13 +51,15 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.temperature is not None and self.temperature > 2:  # OpenAI's range, narrower than the sampler's
+            raise SamplingParamsError("temperature", f"must be in [0, 2], got {self.temperature!r}")
 
         def given(value, default):
             return default if value is None else value
 
         return SamplingParams(
             max_tokens=max_tokens, n=self.num_samples, temperature=given(self.temperature, 1.0),
-            top_k=max(given(self.top_k, 0), 0), top_p=given(self.top_p, 1.0), min_p=given(self.min_p, 0.0),
+            top_k=0 if self.top_k == -1 else given(self.top_k, 0), top_p=given(self.top_p, 1.0), min_p=given(self.min_p, 0.0),
             seed=self.seed, repetition_penalty=given(self.repetition_penalty, 1.0),
             frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -65,9 +68,9 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)                       # default 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = None                                    # default 16
+    logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -111,10 +114,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
     def requested_logprobs(self) -> int | None:

@@ -6,18 +6,22 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import jinja2
 
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
-from kvflow.engine.sampling_params import SamplingParams
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvflow.entrypoints.openai.prompt_tokenizer import PromptTokenizer
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
 class QueueFullError(Exception):
     """The waiting queue is at --max-queue-len: the server answers 503."""
+
 
 
 @dataclass
@@ -35,22 +39,32 @@ def sse(payload: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_queue_len: int | None = None):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_queue_len: int | None = None,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST):
+        """max_queue_len: samples (prompts x n) waiting at most, beyond which requests get 503."""
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
+        self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
+        self._admitting = 0  # samples of the requests being tokenized and added
 
     # ------------------------------------------------------------------ entry points
 
     async def completions(self, request: CompletionRequest) -> dict | AsyncIterator[str]:
         request.check_supported()
-        prompts = [self._prompt_ids(p) for p in request.prompts()]
         params = request.sampling_params(request.max_new_tokens, request.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        given = request.prompts()
+        if len(given) > self.max_prompts_per_request:
+            raise SamplingParamsError("prompt", f"has {len(given)} prompts; this server takes at most "
+                                                f"{self.max_prompts_per_request} in one request")
+        with self._admission(len(given) * params.n):
+            prompts = [await self._prompt_ids(p) for p in given]
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            streams = await self._start(request_id, prompts, params)
         echo = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if request.echo else None
-        streams = await self._start(request_id, prompts, params)
         if request.streaming:
             return self._stream_completion(request_id, request, prompts, streams, echo)
         outputs = await self._collect(streams)
@@ -66,19 +80,17 @@ class OpenAIServing:
                 "choices": choices, "usage": self._usage(prompts, outputs)}
 
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-        try:
-            text = self.tokenizer.apply_chat_template([m.as_template_message() for m in request.messages],
-                                                      add_generation_prompt=request.add_generation_prompt)
-        except jinja2.TemplateError as error:  # the template's own checks, e.g. "roles must alternate"
-            raise ValueError(f"the chat template rejected the messages: {error}") from error
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        with self._admission(1):  # n is known once the prompt's length is
+            ids = await self._chat_prompt(request)
         # Unset, the answer may fill the context, or the KV pool where that is smaller (so that
         # the request is not refused for a length the client never asked for).
         room = min(self.max_model_len - len(ids), self.engine.engine.num_kv_tokens - len(ids) + 1)
-        max_tokens = request.max_completion_tokens or request.max_tokens or max(room, 1)
+        max_tokens = next((m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
+                          max(room, 1))
         params = request.sampling_params(max_tokens, request.requested_logprobs())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request_id, [ids], params)
+        with self._admission(params.n):
+            streams = await self._start(request_id, [ids], params)
         if request.streaming:
             return self._stream_chat(request_id, request, [ids], streams)
         outputs = await self._collect(streams)
@@ -88,20 +100,44 @@ class OpenAIServing:
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([ids], outputs)}
 
+    async def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt as token ids, rendered and tokenized on the tokenizer thread."""
+        try:
+            text = await self.prompt_tokenizer.render_chat([m.as_template_message() for m in request.messages],
+                                                           request.add_generation_prompt)
+        except jinja2.TemplateError as error:  # the template's own checks, e.g. "roles must alternate"
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+        return await self.prompt_tokenizer.encode(text, add_special_tokens=False, field="messages")
+
     # ------------------------------------------------------------------ engine requests
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return await self.prompt_tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("prompt must not be empty")
         return list(prompt)
 
+    @contextmanager
+    def _admission(self, samples: int):
+        """Holds room in the waiting queue for a request of `samples` prompts x n while it is
+        tokenized and added: 400 if it could never fit, 503 if the queue is full now."""
+        if self.max_queue_len is not None:
+            if samples > self.max_queue_len:
+                raise ValueError(f"the request asks for {samples} samples (prompts x n); this server queues at "
+                                 f"most {self.max_queue_len}")
+            waiting = self.engine.engine.num_queued_samples + self._admitting
+            if waiting + samples > self.max_queue_len:
+                raise QueueFullError(f"the server's waiting queue is full ({waiting} of {self.max_queue_len} "
+                                     f"samples waiting); retry later")
+        self._admitting += samples
+        try:
+            yield
+        finally:
+            self._admitting -= samples
+
     async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list:
         """Adds one engine request per prompt (all or none) and returns their output streams."""
-        waiting = len(self.engine.engine.scheduler.waiting) + self.engine.num_pending_adds
-        if self.max_queue_len is not None and waiting >= self.max_queue_len:
-            raise QueueFullError(f"the server's waiting queue is full ({self.max_queue_len} requests); retry later")
         streams = []
         try:
             for i, ids in enumerate(prompts):
