@@ -116,22 +116,24 @@ def cases(num_tokens: int, hidden: int, num_heads: int, head_dim: int, dtype, de
            lambda: ops.reshape_and_cache(kv, kv, key_cache, value_cache, slots), torch_cache_write)
 
 
-def small_linear_table(dtype, device, rows_grid, shapes, repeat) -> list[str]:
+def small_linear_table(dtype, device, rows_grid, shapes, repeat, in_cache=False) -> list[str]:
     """small_linear against torch.nn.functional.linear: decode's few-row products, bound by
     reading the weights, so achieved GB/s is compared with the machine's read bandwidth. Each
     timed pass runs over enough copies of the weight (>= 256 MB) that they come from memory, not
-    from cache, as a model's layers do."""
+    from cache, as a model's layers do. With in_cache, one copy is read again and again: the
+    kernel's arithmetic rate, the headroom it leaves over memory."""
     bandwidth = read_bandwidth(device)
+    where = "from cache (one copy)" if in_cache else "from memory"
     lines = [
         "",
-        f"small_linear, weights read once per call, from memory; machine read bandwidth {bandwidth:.1f} GB/s",
+        f"small_linear, weights read once per call, {where}; machine read bandwidth {bandwidth:.1f} GB/s",
         "",
         "| rows x in -> out | kvflow (us) | F.linear (us) | speedup | weight GB/s | of machine |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for in_features, out_features in shapes:
         weight_bytes = out_features * in_features * torch.empty((), dtype=dtype).element_size()
-        copies = -(-(256 << 20) // weight_bytes)
+        copies = 1 if in_cache else -(-(256 << 20) // weight_bytes)
         weights = [torch.randn(out_features, in_features, dtype=dtype, device=device) for _ in range(copies)]
         for rows in rows_grid:
             x = torch.randn(rows, in_features, dtype=dtype, device=device)
@@ -256,6 +258,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--linear-rows", type=int, nargs="*", default=[1, 2, 4, 8],
                         help="rows for the small_linear table (CPU only; empty to skip)")
+    parser.add_argument("--linear-in-cache", action="store_true",
+                        help="small_linear on one weight kept in cache instead of copies from memory")
     parser.add_argument("--packed-rows", type=int, nargs="*", default=[16, 64, 256, 2048],
                         help="rows for the packed_linear table (CPU, bfloat16 only; empty to skip)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
@@ -288,7 +292,8 @@ def main():
     if args.device == "cpu" and args.linear_rows and not args.ops:
         # SmolLM2-135M's projections: qkv, o, gate|up, down, and the LM head.
         shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
-        linear_lines = small_linear_table(dtype, args.device, args.linear_rows, shapes, args.repeat)
+        linear_lines = small_linear_table(dtype, args.device, args.linear_rows, shapes, args.repeat,
+                                          args.linear_in_cache)
         print("\n".join(linear_lines), flush=True)
         rows += linear_lines
     if args.device == "cpu" and args.packed_rows and not args.ops and dtype == torch.bfloat16:

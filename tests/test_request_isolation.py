@@ -23,7 +23,7 @@ from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.sampling_params import SamplingParamsError
 from kvflow.entrypoints.openai.api_server import build_app
 from kvflow.entrypoints.openai.prompt_tokenizer import SLICE_CHARS, PromptTokenizer
-from kvflow.ops import sample
+from kvflow.ops import apply_penalties, sample
 
 MODEL = "smollm2-test"
 API_KEY = "isolation-key"
@@ -59,6 +59,8 @@ def assert_idle(engine):
     ("temperature", math.nan),
     ("temperature", 1e-30),        # the logits over it overflow float32
     ("repetition_penalty", math.inf),
+    ("repetition_penalty", 1.2e-38),  # normal in float32, yet a logit of 5 over it is infinite
+    ("temperature", 10**400),         # an int beyond any float
     ("min_p", 1e39),
     ("seed", 2**64),
     ("seed", -1),
@@ -84,7 +86,7 @@ def test_sampling_params_refuse_what_the_sampler_cannot_represent(field, value):
 
 def test_sampling_params_keep_values_the_sampler_represents_exactly():
     p = SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, temperature=1e-5, top_p=1e-30, n=128, max_tokens=1,
-                       repetition_penalty=3e38, stop="x", stop_token_ids=(3, 4))
+                       repetition_penalty=100.0, stop="x", stop_token_ids=(3, 4))
     assert (p.top_k, p.seed, p.n, p.stop, p.stop_token_ids) == (2**31 - 1, 2**63 - 1, 128, ["x"], [3, 4])
 
 
@@ -109,7 +111,11 @@ def test_accepted_sampling_params_always_run_in_the_sampler(fields):
     except SamplingParamsError as error:
         assert error.field in fields
         return
-    logits = torch.randn(2, 64)
+    logits = torch.randn(2, 64) * 30
+    ids = torch.tensor([3, 5, 7], dtype=torch.int64)
+    apply_penalties(logits, ids, torch.tensor([0, 2, 3]), ids, torch.tensor([0, 1, 3]),
+                    torch.tensor([p.repetition_penalty, 1.0]), torch.tensor([p.frequency_penalty, 0.0]),
+                    torch.tensor([p.presence_penalty, 0.0]))
     tokens = sample(logits.clone(),
                     torch.tensor([p.temperature, 0.0], dtype=torch.float32),
                     torch.tensor([p.top_k, 0], dtype=torch.int32),
@@ -147,11 +153,11 @@ def test_generate_is_all_or_nothing(llm, canary_solo):
     real_add = engine.add_request
     calls = []
 
-    def failing_add(request_id, prompt, params=None, arrival_time=None):
+    def failing_add(request_id, prompt, params=None, **options):
         calls.append(request_id)
         if len(calls) == 2:
             raise TypeError("injected")
-        real_add(request_id, prompt, params, arrival_time)
+        real_add(request_id, prompt, params, **options)
 
     engine.add_request = failing_add
     try:
@@ -274,6 +280,37 @@ def test_unencodable_text_is_a_client_error(server, llm):
     response = post(server, "/v1/completions", raw=raw_json({"prompt": "hi", "model": "m\ud800", "max_tokens": 2}))
     assert_openai_error(response, 404, "model")
     assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": True}, "n"), ({"seed": "7"}, "seed"), ({"temperature": "0.5"}, "temperature"),
+    ({"echo": "yes"}, "echo"), ({"max_tokens": 2.0}, "max_tokens"),
+])
+def test_the_http_fields_take_no_other_type(server, body, param):
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+    assert_openai_error(response, 400, param)
+
+
+def test_chat_errors_name_the_chat_fields(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert_openai_error(post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}),
+                        400, "top_logprobs")
+    assert_openai_error(post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 0}),
+                        400, "max_completion_tokens")
+
+
+def test_the_key_is_checked_under_a_mount_prefix(llm):
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    app = build_app(AsyncLLMEngine(llm.engine), MODEL, api_key=API_KEY)
+    outer = Starlette(routes=[Mount("/api", app=app)])
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=outer), base_url="http://test") as client:
+            return await client.post("/api/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+
+    assert_openai_error(asyncio.run(call()), 401)
 
 
 def test_float_token_ids_are_refused_not_truncated(server):

@@ -211,10 +211,9 @@ class AsyncLLMEngine:
         in_flight = self.engine.unfinished_request_ids()
         try:
             outputs = self.engine.step()
-        except Exception as error:  # a failed step fails every request in flight, not the server
-            request_ids = in_flight  # the step itself has already ended the ones it held
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
+        except Exception as error:  # a failed step fails the requests it held, not the server
+            unfinished = set(self.engine.unfinished_request_ids())
+            request_ids = [r for r in in_flight if r not in unfinished]  # those the step ended
             failure = EngineStepError(f"the engine step failed: {type(error).__name__}: {error}")
             failure.__cause__ = error
             self._loop.call_soon_threadsafe(self._fail_streams, request_ids, failure)

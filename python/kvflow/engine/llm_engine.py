@@ -118,7 +118,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, prompt_text: str | None = None) -> None:
         """Queues a request (text, or token ids). Raises ValueError for a malformed one, or one
         that could never fit the model's context or the KV pool. arrival_time (perf_counter)
         defaults to now."""
@@ -131,9 +131,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.prompt_token_ids(prompt)
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids", f"must be token ids in [0, {vocab})")
+        self.check_request(ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         samples = []
         for index in range(params.n):
@@ -143,7 +141,8 @@ class LLMEngine:
             samples.append(_Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                                    StopStringMatcher(params.stop), logprobs=[] if params.logprobs is not None else None))
         self.scheduler.add(samples[0].seq)
-        self._requests[request_id] = _Request(request_id, text, ids, samples, samples[1:])
+        self._requests[request_id] = _Request(request_id, text if text is not None else prompt_text, ids, samples,
+                                              samples[1:])
         self._unforked_samples += params.n - 1
 
     def prompt_token_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -158,6 +157,14 @@ class LLMEngine:
             raise SamplingParamsError("prompt", "must be text or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         return None, [check_int("prompt", t, 0, vocab - 1) for t in prompt]
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError unless a request of these (checked) ids and params can be served:
+        its stop tokens in the vocabulary, and its length within the context and the KV pool."""
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", f"must be token ids in [0, {vocab})")
+        self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its blocks. Returns its final output (the unfinished
@@ -199,11 +206,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self._requests:  # the scheduler guarantees a lone request progresses
+                self._step_failures += 1
                 raise RuntimeError(f"the scheduler made no progress with {len(self._requests)} requests pending")
             return []
-        if plan.copies:
-            copy_blocks([k for k, _ in self.runner.kv_caches], [v for _, v in self.runner.kv_caches],
-                        torch.tensor(plan.copies, dtype=torch.int64, device=self.runner.device))
         now = time.perf_counter()
         batch = []
         for s in plan.scheduled:
@@ -219,6 +224,9 @@ class LLMEngine:
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
         try:
+            if plan.copies:
+                copy_blocks([k for k, _ in self.runner.kv_caches], [v for _, v in self.runner.kv_caches],
+                            torch.tensor(plan.copies, dtype=torch.int64, device=self.runner.device))
             if self.cpu_threads is None:
                 sampled = self.runner.execute(batch)
             else:

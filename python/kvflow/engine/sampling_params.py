@@ -14,6 +14,9 @@ FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 MAX_SAMPLES = 128      # n: samples share the prompt, but each holds its own blocks
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5  # below it the logits over the temperature overflow float32; 0 is greedy
+# The penalty divides positive logits and multiplies negative ones: within these bounds a logit
+# stays finite in float32 however large the model makes it.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 class SamplingParamsError(ValueError):
@@ -40,7 +43,10 @@ def check_float(name: str, value, low: float, high: float, low_open: bool = Fals
     what the sampler sees: 1e-46 is 0 there, and 1e39 is infinite."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SamplingParamsError(name, f"must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        raise SamplingParamsError(name, f"must be a finite float32, got {value!r}") from None
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
         raise SamplingParamsError(name, f"must be a finite float32, got {value!r}")
     if value != 0 and abs(value) < FLOAT32_TINY:
@@ -98,8 +104,8 @@ class SamplingParams:
         self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             self.seed = check_int("seed", self.seed, 0, (1 << 63) - 1)
-        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX,
-                                              low_open=True)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty,
+                                              *REPETITION_PENALTY_RANGE)
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         if isinstance(self.stop, str):

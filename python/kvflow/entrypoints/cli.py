@@ -8,6 +8,13 @@ from kvflow.engine.config import DTYPES
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BYTES
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_memory(text: str) -> int:
     """'2GiB', '512MiB', '1e9' -> bytes."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -83,11 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (or set KVFLOW_API_KEY)")
-    serve.add_argument("--max-queue-len", type=int, default=None,
+    serve.add_argument("--max-queue-len", type=positive_int, default=None,
                        help="waiting samples (prompts x n) beyond which new requests get 503 (default: unbounded)")
     serve.add_argument("--max-request-bytes", type=parse_memory, default=DEFAULT_MAX_REQUEST_BYTES,
-                       help="largest request body accepted, e.g. 8M (default); larger ones get 413")
-    serve.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                       help="largest request body accepted, e.g. 8MiB (the default); larger ones get 413")
+    serve.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                        help="prompts one completion request may carry (default: %(default)s)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish at shutdown before they are aborted")

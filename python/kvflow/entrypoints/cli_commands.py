@@ -32,7 +32,7 @@ def _engine(args) -> LLMEngine:
 
 
 def _sampling_params(args, index: int = 0) -> SamplingParams:
-    seed = None if args.seed is None else args.seed + index
+    seed = None if args.seed is None else (args.seed + index) % (1 << 63)
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           seed=seed, stop=list(args.stop), ignore_eos=args.ignore_eos)

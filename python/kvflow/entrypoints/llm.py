@@ -6,7 +6,7 @@ import itertools
 from kvflow.engine.config import EngineConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.engine.outputs import RequestOutput
-from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, check_text
 
 
 class LLM:
@@ -36,11 +36,13 @@ class LLM:
             if not isinstance(params, SamplingParams):
                 raise SamplingParamsError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
         checked = [self.engine.prompt_token_ids(prompt) for prompt in prompts]
+        for (_, token_ids), params in zip(checked, sampling_params):
+            self.engine.check_request(token_ids, params)
         ids = []
         try:
             for (text, token_ids), params in zip(checked, sampling_params):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, text if text is not None else token_ids, params)
+                self.engine.add_request(request_id, token_ids, params, prompt_text=text)
                 ids.append(request_id)
         except BaseException:
             for request_id in ids:
@@ -54,6 +56,9 @@ class LLM:
         """Each conversation (a list of {"role", "content"} messages) through the chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        for conversation in conversations:
+            for i, message in enumerate(conversation):
+                check_text(f"messages[{i}].content", message.get("content") or "")
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

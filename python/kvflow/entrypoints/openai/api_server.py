@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException
 
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineStepError
@@ -69,14 +70,18 @@ class _RequestGuard:
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # lifespan; there are no websocket routes
             return await self.app(scope, receive, send)
-        if scope["path"].startswith("/v1") and not _authorized(self.api_key, scope["headers"]):
+        # The path as the router sees it: without a --root-path or a mount's prefix.
+        if get_route_path(scope).startswith("/v1") and not _authorized(self.api_key, scope["headers"]):
             error = _error_response(401, "a valid API key is required (Authorization: Bearer KEY)",
                                     "authentication_error", code="invalid_api_key")
             return await error(scope, receive, send)
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
+        if length is not None and not length.isdigit():
+            error = _error_response(400, "the Content-Length header is not a number", "invalid_request_error")
+            return await error(scope, receive, send)
+        if length is not None and int(length) > self.max_request_bytes:
             error = _error_response(413, f"the request body is larger than {self.max_request_bytes} bytes",
                                     "invalid_request_error", code="request_too_large")
             return await error(scope, receive, send)
@@ -94,10 +99,16 @@ class _RequestGuard:
         await self.app(scope, bounded_receive, send)
 
 
+def _is_union_member(part) -> bool:
+    """pydantic puts the member a value was tried as into the error's location
+    (temperature.float): not a field the client sent."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for item in error.errors():
-        location = [str(p) for p in item.get("loc", ()) if p != "body"]
+        location = [str(p) for p in item.get("loc", ()) if p != "body" and not _is_union_member(p)]
         if item.get("type") == "json_invalid":
             return "the request body is not valid JSON", None
         param = param or (".".join(location) or None)

@@ -34,6 +34,11 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, self._encode_bounded, text, add_special_tokens, field)
 
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens kept (a prompt's echo), on the tokenizer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
+
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The chat template applied to `messages`, on the tokenizer thread."""
         for i, message in enumerate(messages):

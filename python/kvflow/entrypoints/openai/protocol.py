@@ -4,9 +4,13 @@ SamplingParams. Field names, defaults and ranges follow OpenAI's API reference; 
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
 
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
+
+
+# Strict: JSON's true is not the integer 1, and "7" is not a number, as in SamplingParams.
+Number = StrictFloat | StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -17,24 +21,24 @@ class _SamplingFields(BaseModel):
     # OpenAI marks most fields nullable: null means the default, as if the field were absent.
     # Types only: the ranges are SamplingParams' own checks, which name the field in the 400.
     model: str | None = None
-    temperature: float | None = None                                 # default 1
-    top_p: float | None = None                                       # default 1
-    n: int | None = None                                             # default 1
-    stream: bool | None = None
+    temperature: Number | None = None                                # default 1
+    top_p: Number | None = None                                      # default 1
+    n: StrictInt | None = None                                       # default 1
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None                            # default 0
-    frequency_penalty: float | None = None                           # default 0
+    seed: StrictInt | None = None
+    presence_penalty: Number | None = None                           # default 0
+    frequency_penalty: Number | None = None                          # default 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = None                                         # 0 or -1: off
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
+    top_k: StrictInt | None = None                                   # 0 or -1: off
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
-    skip_special_tokens: bool | None = None
+    skip_special_tokens: StrictBool | None = None
 
     @property
     def num_samples(self) -> int:
@@ -69,10 +73,10 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = None                                    # default 16
-    logprobs: int | None = None
-    echo: bool | None = None
-    best_of: int | None = None
+    max_tokens: StrictInt | None = None                              # default 16
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     @property
@@ -114,16 +118,27 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
 
     def requested_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """sampling_params(), its errors naming the chat request's own fields."""
+        try:
+            return self.sampling_params(max_tokens, self.requested_logprobs())
+        except SamplingParamsError as error:
+            names = {"logprobs": "top_logprobs",
+                     "max_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"}
+            if error.field not in names:
+                raise
+            raise SamplingParamsError(names[error.field], str(error).split(": ", 1)[1]) from None
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

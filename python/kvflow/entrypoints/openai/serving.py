@@ -60,11 +60,11 @@ class OpenAIServing:
         if len(given) > self.max_prompts_per_request:
             raise SamplingParamsError("prompt", f"has {len(given)} prompts; this server takes at most "
                                                 f"{self.max_prompts_per_request} in one request")
-        with self._admission(len(given) * params.n):
+        with self._admission(len(given) * params.n) as release:
             prompts = [await self._prompt_ids(p) for p in given]
             request_id = f"cmpl-{uuid.uuid4().hex}"
-            streams = await self._start(request_id, prompts, params)
-        echo = [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts] if request.echo else None
+            streams = await self._start(request_id, prompts, params, release)
+        echo = [await self.prompt_tokenizer.decode(ids) for ids in prompts] if request.echo else None
         if request.streaming:
             return self._stream_completion(request_id, request, prompts, streams, echo)
         outputs = await self._collect(streams)
@@ -87,10 +87,10 @@ class OpenAIServing:
         room = min(self.max_model_len - len(ids), self.engine.engine.num_kv_tokens - len(ids) + 1)
         max_tokens = next((m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
                           max(room, 1))
-        params = request.sampling_params(max_tokens, request.requested_logprobs())
+        params = request.chat_sampling_params(max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        with self._admission(params.n):
-            streams = await self._start(request_id, [ids], params)
+        with self._admission(params.n) as release:
+            streams = await self._start(request_id, [ids], params, release)
         if request.streaming:
             return self._stream_chat(request_id, request, [ids], streams)
         outputs = await self._collect(streams)
@@ -130,18 +130,27 @@ class OpenAIServing:
             if waiting + samples > self.max_queue_len:
                 raise QueueFullError(f"the server's waiting queue is full ({waiting} of {self.max_queue_len} "
                                      f"samples waiting); retry later")
+        held = [samples]
+
+        def release(count: int) -> None:  # these samples are in the engine's queue now
+            held[0] -= count
+            self._admitting -= count
+
         self._admitting += samples
         try:
-            yield
+            yield release
         finally:
-            self._admitting -= samples
+            self._admitting -= held[0]
 
-    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list:
-        """Adds one engine request per prompt (all or none) and returns their output streams."""
+    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     release=lambda count: None) -> list:
+        """Adds one engine request per prompt (all or none) and returns their output streams;
+        release(n) is called as each is added."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", ids, params))
+                release(params.n)
         except BaseException:
             self._abort_streams(streams)
             raise
