@@ -130,20 +130,20 @@ class OpenAIServing:
             if waiting + samples > self.max_queue_len:
                 raise QueueFullError(f"the server's waiting queue is full ({waiting} of {self.max_queue_len} "
                                      f"samples waiting); retry later")
-        held = [samples]
+        held = samples
 
         def release(count: int) -> None:  # these samples are in the engine's queue now
-            held[0] -= count
+            nonlocal held
+            held -= count
             self._admitting -= count
 
         self._admitting += samples
         try:
             yield release
         finally:
-            self._admitting -= held[0]
+            self._admitting -= held
 
-    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     release=lambda count: None) -> list:
+    async def _start(self, request_id: str, prompts: list[list[int]], params: SamplingParams, release) -> list:
         """Adds one engine request per prompt (all or none) and returns their output streams;
         release(n) is called as each is added."""
         streams = []
