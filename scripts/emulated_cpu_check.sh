@@ -13,8 +13,10 @@ fi
 python="$PWD/.venv/bin/python"
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 prompt="The capital of France is"
+# numpy's OpenBLAS picks its kernels from what qemu-user leaks of the host CPU (Haswell kernels on an
+# emulated Nehalem, an illegal instruction at import), so it is told the emulated CPU's name.
 run_on() {  # CPU model -> the completion on stdout, the log in build/emulated-$1.log
-  timeout 900 qemu-x86_64 -cpu "$1" "$python" -m kvflow generate "$prompt" --dtype float32 --temperature 0 \
+  OPENBLAS_CORETYPE=$1 timeout 900 qemu-x86_64 -cpu "$1" "$python" -m kvflow generate "$prompt" --dtype float32 --temperature 0 \
     --max-tokens 4 --max-model-len 256 --kv-cache-memory 16MiB 2> "build/emulated-$1.log"
 }
 mkdir -p build
