@@ -38,13 +38,36 @@ struct SmallLinearTileAvx512Bf16 {
   const bfloat16* b;  // [out_features] at o, or null
   int64_t in_features, out_features;
 
+  // Fewer than four dot products would wait on vdpbf16ps's latency rather than on the weights
+  // (and then run at whatever speed the loop's placement in the binary gives the front end):
+  // those keep kChains partial sums each, over interleaved 32-value steps of k.
+  template <int kOut, int kRows>
+  static constexpr int kChains = kOut * kRows >= 4 ? 1 : 4 / (kOut * kRows);
+
+  template <int kOut, int kRows>
+  __attribute__((always_inline)) void step(__m512 (&acc)[kRows][kOut], int64_t k, __mmask32 mask,
+                                           const char* prefetch) const {
+    if constexpr (kOut > 1) {  // one output at a time is one sequential stream: the hardware's
+      for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T1);
+    }
+    __m512bh wv[kOut];
+    for (int o = 0; o < kOut; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * in_features + k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in_features + k);
+      for (int o = 0; o < kOut; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], wv[o], xv);
+    }
+  }
+
   template <int kOut, int kRows>
   void run() const {
-    __m512 acc[kRows][kOut];
-    for (int r = 0; r < kRows; ++r) {
-      for (int o = 0; o < kOut; ++o) acc[r][o] = _mm512_setzero_ps();
+    constexpr int chains = kChains<kOut, kRows>;
+    __m512 acc[chains][kRows][kOut];
+    for (int c = 0; c < chains; ++c) {
+      for (int r = 0; r < kRows; ++r) {
+        for (int o = 0; o < kOut; ++o) acc[c][r][o] = _mm512_setzero_ps();
+      }
     }
-    // One loop with the tail folded in as a masked step: the accumulators stay in registers.
+    // The tail is folded in as a masked step: the accumulators stay in registers.
     const int64_t full = in_features / 32 * 32;
     const __mmask32 tail_mask = __mmask32((uint64_t(1) << (in_features - full)) - 1);
     // This block's kOut weight rows are contiguous, and so is the next block; each step
@@ -53,16 +76,20 @@ struct SmallLinearTileAvx512Bf16 {
     // hardware prefetcher to pick up four streams at once). Not into L1: at 4-8 input rows
     // the block being read is read once per row block and must stay there.
     const char* prefetch = reinterpret_cast<const char*>(w) + kPrefetchBlocks * kOut * in_features * 2;
-    for (int64_t k = 0; k < in_features; k += 32, prefetch += kOut * 64) {
-      if constexpr (kOut > 1) {  // one output at a time is one sequential stream: the hardware's
-        for (int o = 0; o < kOut; ++o) _mm_prefetch(prefetch + o * 64, _MM_HINT_T1);
+    int64_t k = 0;
+    if constexpr (chains > 1) {
+      for (; k + 32 * chains <= full; k += 32 * chains, prefetch += chains * kOut * 64) {
+#pragma GCC unroll 4
+        for (int c = 0; c < chains; ++c) step<kOut, kRows>(acc[c], k + 32 * c, ~__mmask32(0), prefetch + c * kOut * 64);
       }
-      const __mmask32 mask = k < full ? ~__mmask32(0) : tail_mask;
-      __m512bh wv[kOut];
-      for (int o = 0; o < kOut; ++o) wv[o] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + o * in_features + k);
+    }
+    for (; k < in_features; k += 32, prefetch += kOut * 64) {
+      step<kOut, kRows>(acc[0], k, k < full ? ~__mmask32(0) : tail_mask, prefetch);
+    }
+#pragma GCC unroll 4
+    for (int c = 1; c < chains; ++c) {
       for (int r = 0; r < kRows; ++r) {
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + r * in_features + k);
-        for (int o = 0; o < kOut; ++o) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], wv[o], xv);
+        for (int o = 0; o < kOut; ++o) acc[0][r][o] = _mm512_add_ps(acc[0][r][o], acc[c][r][o]);
       }
     }
     // Fully unrolled, so that every accumulator is a named register rather than stack memory.
@@ -70,10 +97,10 @@ struct SmallLinearTileAvx512Bf16 {
     for (int r = 0; r < kRows; ++r) {
       float sums[kOut];
       if constexpr (kOut == 4) {
-        _mm_storeu_ps(sums, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+        _mm_storeu_ps(sums, reduce4(acc[0][r][0], acc[0][r][1], acc[0][r][2], acc[0][r][3]));
       } else {
 #pragma GCC unroll 4
-        for (int o = 0; o < kOut; ++o) sums[o] = VecAvx512::reduce_add(acc[r][o]);
+        for (int o = 0; o < kOut; ++o) sums[o] = VecAvx512::reduce_add(acc[0][r][o]);
       }
 #pragma GCC unroll 4
       for (int o = 0; o < kOut; ++o) y.store(y_index + r * out_features + o, b == nullptr ? sums[o] : sums[o] + to_float(b[o]));
