@@ -155,6 +155,9 @@ class LLMEngine:
             return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise SamplingParamsError("prompt", "must be text or a non-empty list of token ids")
+        if len(prompt) >= self.max_model_len:  # before looking at each id: the list may be huge
+            raise SamplingParamsError("prompt", f"has {len(prompt)} tokens; the model's context (max_model_len) "
+                                                f"is {self.max_model_len}, which leaves no room for an answer")
         vocab = self.model_config.vocab_size
         return None, [check_int("prompt", t, 0, vocab - 1) for t in prompt]
 
@@ -205,9 +208,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            if self._requests:  # the scheduler guarantees a lone request progresses
+            if self._requests:  # the scheduler guarantees a lone request progresses: this is a bug
                 self._step_failures += 1
-                raise RuntimeError(f"the scheduler made no progress with {len(self._requests)} requests pending")
+                pending = list(self._requests)
+                logger.error("kvflow: the scheduler made no progress; %d pending requests were aborted", len(pending))
+                for request_id in pending:  # else they would wait forever, and every step fail again
+                    self.abort_request(request_id)
+                raise RuntimeError(f"the scheduler made no progress with {len(pending)} requests pending")
             return []
         now = time.perf_counter()
         batch = []

@@ -4,7 +4,7 @@ SamplingParams. Field names, defaults and ranges follow OpenAI's API reference; 
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -71,6 +71,32 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True))
 
 
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_prompt_shape(prompt) -> None:
+    """Raises ValueError at the first element that does not fit the prompt's shape (the field's
+    annotation), in one pass.
+    pydantic would try each shape of the union on every element of a list and report them all:
+    seconds on the event loop, and a message of megabytes, for a large list of bad ids."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and not prompt):
+        return
+    if not isinstance(prompt, list):
+        raise ValueError(f"must be text, a list of texts, a list of token ids or a list of such lists, "
+                         f"not {type(prompt).__name__}")
+    if isinstance(prompt[0], str):
+        element_ok, expected = (lambda p: isinstance(p, str)), "a text, as the first is"
+    elif isinstance(prompt[0], list):
+        element_ok, expected = (lambda p: isinstance(p, list) and all(map(_is_token_id, p))), \
+            "a list of integer token ids, as the first is"
+    else:
+        element_ok, expected = _is_token_id, "an integer token id"
+    for i, element in enumerate(prompt):
+        if not element_ok(element):
+            raise ValueError(f"element {i} ({type(element).__name__}) is not {expected}")
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = None                              # default 16
@@ -78,6 +104,12 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, prompt, handler):
+        _check_prompt_shape(prompt)  # the whole check: the union's own pass is not needed after it
+        return prompt
 
     @property
     def max_new_tokens(self) -> int:

@@ -116,6 +116,7 @@ class OpenAIServing:
             return await self.prompt_tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("prompt must not be empty")
+        self.prompt_tokenizer.check_num_ids(prompt)  # the engine thread then checks at most a context of ids
         return list(prompt)
 
     @contextmanager
