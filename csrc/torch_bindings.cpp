@@ -28,6 +28,7 @@ TORCH_LIBRARY(kvflow, m) {
   // out = act(input[..., :d]) * input[..., d:]
   m.def("silu_and_mul(Tensor! out, Tensor input) -> ()");
   m.def("gelu_tanh_and_mul(Tensor! out, Tensor input) -> ()");
+  m.def("gelu_and_mul(Tensor! out, Tensor input) -> ()");
   // key_cache[slot // block_size, slot % block_size] = key[token] for every token whose slot != -1.
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, "
@@ -87,6 +88,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("rotary_embedding", &kvflow::cpu::rotary_embedding);
   m.impl("silu_and_mul", &kvflow::cpu::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &kvflow::cpu::gelu_tanh_and_mul);
+  m.impl("gelu_and_mul", &kvflow::cpu::gelu_and_mul);
   m.impl("reshape_and_cache", &kvflow::cpu::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
   m.impl("paged_attention", &kvflow::cpu::paged_attention);
@@ -109,6 +111,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("rotary_embedding", &kvflow::cuda::rotary_embedding);
   m.impl("silu_and_mul", &kvflow::cuda::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &kvflow::cuda::gelu_tanh_and_mul);
+  m.impl("gelu_and_mul", &kvflow::cuda::gelu_and_mul);
   m.impl("reshape_and_cache", &kvflow::cuda::reshape_and_cache);
   m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
   m.impl("paged_attention", &kvflow::cuda::paged_attention);

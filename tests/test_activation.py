@@ -1,4 +1,4 @@
-"""silu_and_mul and gelu_tanh_and_mul against float32 PyTorch."""
+"""silu_and_mul, gelu_and_mul and gelu_tanh_and_mul against float32 PyTorch."""
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ D = [111, 769, 5125]
 REFERENCES = {
     "silu": (ops.silu_and_mul, lambda g, u: F.silu(g) * u),
     "gelu_tanh": (ops.gelu_tanh_and_mul, lambda g, u: F.gelu(g, approximate="tanh") * u),
+    "gelu": (ops.gelu_and_mul, lambda g, u: F.gelu(g) * u),
 }
 
 

@@ -186,11 +186,11 @@ def test_gate_up_layer_gives_silu_and_mul_packed_or_not(rows, cpu_isa):
     gate_up = F.linear(x.float(), layer.weight.float())
     expected = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
     # Unpacked, gate and up are rounded to bfloat16 before the product is (three roundings).
-    plain = layer.silu_and_mul(x)
+    plain = layer.activated(x)
     torch.testing.assert_close(plain.float(), expected, rtol=2e-2, atol=2e-2)
     assert layer.prepack()
     assert layer.packed_weight.gate_up, "every instruction set runs the activation in the packed product"
-    torch.testing.assert_close(layer.silu_and_mul(x).float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.activated(x).float(), expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(layer(x).float(), gate_up, **TOLERANCES[torch.bfloat16])  # the plain product still
 
 

@@ -27,6 +27,7 @@ def op_cases():
         ),
         "silu_and_mul": (torch.ops.kvflow.silu_and_mul, (torch.empty(7, 55), torch.randn(7, 110))),
         "gelu_tanh_and_mul": (torch.ops.kvflow.gelu_tanh_and_mul, (torch.empty(7, 55), torch.randn(7, 110))),
+        "gelu_and_mul": (torch.ops.kvflow.gelu_and_mul, (torch.empty(7, 55), torch.randn(7, 110))),
         "reshape_and_cache": (
             torch.ops.kvflow.reshape_and_cache,
             (torch.randn(5, 3, 64), torch.randn(5, 3, 64), cache.clone(), cache.clone(), torch.tensor([0, 3, -1, 17, 63])),

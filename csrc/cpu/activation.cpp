@@ -1,4 +1,4 @@
-// silu_and_mul and gelu_tanh_and_mul on the CPU: checks, then rows split across threads.
+// silu_and_mul, gelu_and_mul and gelu_tanh_and_mul on the CPU: checks, then rows split across threads.
 #include <ATen/Parallel.h>
 
 #include "kvflow/cpu/kernel_table.h"
@@ -29,6 +29,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
   gated_activation(out, input, active_kernels().gelu_tanh_and_mul);
+}
+
+void gelu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  gated_activation(out, input, active_kernels().gelu_and_mul);
 }
 
 }  // namespace kvflow::cpu

@@ -1,4 +1,4 @@
-// silu_and_mul and gelu_tanh_and_mul on CUDA: checks, device guard, current stream, dtype
+// silu_and_mul, gelu_and_mul and gelu_tanh_and_mul on CUDA: checks, device guard, current stream, dtype
 // dispatch, then kvflow/activation.cuh.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -34,6 +34,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
 
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& input) {
   gated_activation<cuda_kernels::GeluTanh>(out, input, "gelu_tanh_and_mul");
+}
+
+void gelu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  gated_activation<cuda_kernels::Gelu>(out, input, "gelu_and_mul");
 }
 
 }  // namespace kvflow::cuda

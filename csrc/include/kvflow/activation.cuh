@@ -19,6 +19,11 @@ struct Silu {
   __device__ __forceinline__ static float apply(float x) { return x / (1.f + expf(-x)); }
 };
 
+// gelu(x) = 0.5 x (1 + erf(x / sqrt(2)))
+struct Gelu {
+  __device__ __forceinline__ static float apply(float x) { return 0.5f * x * (1.f + erff(x * 0.7071067811865476f)); }
+};
+
 // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 struct GeluTanh {
   __device__ __forceinline__ static float apply(float x) {
@@ -57,7 +62,7 @@ __global__ void __launch_bounds__(kActivationMaxThreads)
   }
 }
 
-// out[r, i] = Act(input[r, i]) * input[r, d + i] for i < d. Act is Silu or GeluTanh.
+// out[r, i] = Act(input[r, i]) * input[r, d + i] for i < d. Act is Silu, Gelu or GeluTanh.
 template <class Act, typename T>
 cudaError_t gated_activation(T* out,          // [rows, d], row stride out_stride
                              int64_t out_stride,

@@ -5,12 +5,12 @@ a microsecond per call on hook bookkeeping, and a batch-1 decode step of a 30-la
 some 400 such calls, several percent of a step that is otherwise bound by reading the weights.
 Hooks registered on these modules therefore do not run."""
 
-from kvflow.layers.activation import SiluAndMul
+from kvflow.layers.activation import GatedActivation, SiluAndMul
 from kvflow.layers.attention import PagedAttention
 from kvflow.layers.embedding import LMHead, VocabEmbedding
 from kvflow.layers.linear import GateUpLinear, Linear, MergedLinear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
 
-__all__ = ["GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "RMSNorm", "RotaryEmbedding", "SiluAndMul",
+__all__ = ["GateUpLinear", "LMHead", "Linear", "MergedLinear", "PagedAttention", "RMSNorm", "RotaryEmbedding", "GatedActivation", "SiluAndMul",
            "VocabEmbedding"]

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from kvflow import ops
-from kvflow.layers.activation import SiluAndMul
+from kvflow.layers.activation import GatedActivation
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
@@ -89,9 +89,11 @@ class MergedLinear(Linear):
         for size in part_sizes:
             self.offsets.append(self.offsets[-1] + size)
 
-    def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def load_part(self, part: int, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
+        """Part `part`'s weight and/or bias (a checkpoint stores them as separate tensors)."""
         rows = slice(self.offsets[part], self.offsets[part + 1])
-        copy_checked(self.weight[rows], weight, f"part {part} weight")
+        if weight is not None:
+            copy_checked(self.weight[rows], weight, f"part {part} weight")
         if bias is not None:
             if self.bias is None:
                 raise ValueError(f"checkpoint has a bias for part {part} of a merged linear without one")
@@ -99,24 +101,31 @@ class MergedLinear(Linear):
 
 
 class GateUpLinear(MergedLinear):
-    """The gate|up projection of a gated MLP, [gate; up] in one weight. silu_and_mul(x) gives
-    silu(x @ gate.T) * (x @ up.T). Prepacked, the activation runs in the product's epilogue, so the
-    [rows, 2d] product is never written out and read back."""
+    """The gate|up projection of a gated MLP, [gate; up] in one weight (and bias, where the model
+    has one). activated(x) gives act(x @ gate.T + b_gate) * (x @ up.T + b_up), act named as in a
+    Hugging Face config. Prepacked with SiLU and no bias, the activation runs in the product's
+    epilogue, so the [rows, 2d] product is never written out and read back."""
 
-    def __init__(self, in_features: int, intermediate_size: int, dtype: torch.dtype | None = None):
-        super().__init__(in_features, [intermediate_size] * 2, dtype=dtype)
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool = False, hidden_act: str = "silu",
+                 dtype: torch.dtype | None = None):
+        super().__init__(in_features, [intermediate_size] * 2, bias=bias, dtype=dtype)
         self.intermediate_size = intermediate_size
-        self.act = SiluAndMul()
+        self.act = GatedActivation(hidden_act)
+
+    @property
+    def plain_silu(self) -> bool:
+        """SiLU with no bias: what the fused CPU paths and the packed epilogue compute."""
+        return self.act.is_silu and self.bias is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> gate|up [rows, 2 * intermediate_size]."""
         if self.packed_weight is not None and self.packed_weight.gate_up and x.shape[0] > SMALL_LINEAR_MAX_ROWS:
-            return torch.nn.functional.linear(x, self.weight)  # the packed copy serves silu_and_mul only
+            return torch.nn.functional.linear(x, self.weight, self.bias)  # the packed copy serves activated only
         return super().forward(x)
 
     __call__ = forward
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, intermediate_size]."""
         if (self.packed_weight is not None and self.packed_weight.gate_up and x.dim() == 2
                 and x.shape[0] > SMALL_LINEAR_MAX_ROWS):
@@ -124,8 +133,8 @@ class GateUpLinear(MergedLinear):
         return self.act(self(x))
 
     def prepack(self) -> bool:
-        """As Linear.prepack, packed for silu_and_mul."""
-        self.packed_weight = PackedWeight.of(self.weight, gate_up=True)
+        """As Linear.prepack; packed for the SiLU epilogue where that is the whole computation."""
+        self.packed_weight = PackedWeight.of(self.weight, gate_up=self.plain_silu)
         return self.packed_weight is not None
 
 

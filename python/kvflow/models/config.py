@@ -4,7 +4,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.layers.activation import GATED_ACTIVATION_OPS
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the paged attention kernels' compiled sizes
+SUPPORTED_ROPE_SCALING = ("llama3", "linear")  # kvflow.ops.rope.compute_cos_sin_cache
 
 
 @dataclass
@@ -22,9 +25,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     rope_freq_factors: torch.Tensor | None = None  # GGUF's rope_freqs: inv_freq divisors (Llama 3 scaling)
-    attention_bias: bool = False   # biases on q, k, v (Qwen2)
+    attention_bias: bool = False   # biases on q, k, v (Qwen2, Llama's attention_bias)
+    o_proj_bias: bool = False      # a bias on o_proj too (Llama's attention_bias)
+    mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
+    hidden_act: str = "silu"       # the MLP's gated activation, by Hugging Face's name
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # Each layer's window where they differ (Qwen2's max_window_layers, HF's layer_types): an int
+    # or None per layer. None here means `sliding_window` on every layer.
+    layer_sliding_windows: list[int | None] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -39,13 +48,29 @@ class ModelConfig:
             )
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"model config: head_dim {self.head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+        if self.layer_sliding_windows is not None and len(self.layer_sliding_windows) != self.num_layers:
+            raise ValueError(f"model config: {len(self.layer_sliding_windows)} layer windows for "
+                             f"{self.num_layers} layers")
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: the whole context)."""
+        if self.layer_sliding_windows is not None:
+            return self.layer_sliding_windows[layer]
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
         """From a Hugging Face config.json dict."""
+        from kvflow.models.registry import MODEL_CLASSES  # the registry imports the models, which import this
+
         architectures = config.get("architectures") or []
         if not architectures:
             raise ValueError("config.json names no architecture ('architectures' is missing or empty)")
+        architecture = architectures[0]
+        if architecture not in MODEL_CLASSES:  # before any field is read as this family's
+            raise ValueError(f"unsupported model architecture {architecture!r} "
+                             f"(supported: {', '.join(MODEL_CLASSES)})")
+        reject_unsupported_fields(config, architecture)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope_scaling = config.get("rope_scaling")
@@ -57,12 +82,25 @@ class ModelConfig:
                 rope_scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
+        if rope_scaling is not None:
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+            if kind not in SUPPORTED_ROPE_SCALING:
+                raise ValueError(f"model config: unsupported rope_scaling type {kind!r} "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
         eos = config.get("eos_token_id")
         sliding_window = config.get("sliding_window")
         if config.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
             sliding_window = None
+        layer_windows = None
+        layer_types = config.get("layer_types")
+        if sliding_window is not None and layer_types is not None:
+            layer_windows = [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
+        elif sliding_window is not None and architecture.startswith("Qwen2"):
+            # Qwen2 windows only the layers from max_window_layers up (transformers' own rule).
+            first = config.get("max_window_layers", config["num_hidden_layers"])
+            layer_windows = [sliding_window if i >= first else None for i in range(config["num_hidden_layers"])]
         return cls(
-            architecture=architectures[0],
+            architecture=architecture,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -74,9 +112,25 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            attention_bias=config.get("attention_bias", architectures[0].startswith("Qwen2")),
+            attention_bias=config.get("attention_bias", architecture.startswith("Qwen2")),
+            o_proj_bias=bool(config.get("attention_bias")) and not architecture.startswith("Qwen2"),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=config.get("hidden_act", "silu"),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             sliding_window=sliding_window,
+            layer_sliding_windows=layer_windows,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
         )
+
+
+def reject_unsupported_fields(config: dict, architecture: str) -> None:
+    """A clear error for each config field that would change the math in a way this graph does
+    not implement, rather than a model that runs and answers wrongly."""
+    act = config.get("hidden_act", "silu")
+    if act not in GATED_ACTIVATION_OPS:
+        raise ValueError(f"model config: hidden_act {act!r} is not supported "
+                         f"(supported: {', '.join(GATED_ACTIVATION_OPS)})")
+    if config.get("hidden_activation") not in (None, act):
+        raise ValueError(f"model config: hidden_activation {config['hidden_activation']!r} differs from "
+                         f"hidden_act {act!r}")

@@ -1,5 +1,5 @@
-"""The Llama family: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v biases), SmolLM/SmolLM2 (tied
-embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
+"""The Llama family: Llama 2/3/3.x (attention and MLP biases, GELU where the config says so),
+Mistral, Qwen2/2.5 (q/k/v biases, a window on the upper layers), SmolLM/SmolLM2 (tied embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
 with no padding; the attention metadata says which request each row belongs to."""
 
 from collections.abc import Iterable
@@ -18,16 +18,16 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [n
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: int | None):
         super().__init__()
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                      bias=config.attention_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
         self.rotary = rotary
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
-                                   scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+                                   scale=config.head_dim ** -0.5, sliding_window=sliding_window)
 
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -41,20 +41,21 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
+                                         hidden_act=config.hidden_act, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(hidden))
+        return self.down_proj(self.gate_up_proj.activated(hidden))
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype, config.sliding_window_of(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
         self._fused_cpu_args: tuple | None = None  # see fused_cpu_args
@@ -62,13 +63,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += hidden, then the layer; returns (its output, the residual stream)."""
-        if hidden.is_cpu:
+        if hidden.is_cpu and self.fusable:
             args = self._fused_cpu_args or self.fused_cpu_args()
             if hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS or args[-1] is not None:
                 return self.forward_fused_cpu(hidden, residual, kv_cache, metadata)
         return self.forward_op_by_op(hidden, residual, kv_cache, metadata)
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
+
+    @property
+    def fusable(self) -> bool:
+        """Whether llama_decoder_layer computes this layer: SiLU, no bias on o_proj or the MLP."""
+        return (self.mlp.gate_up_proj.plain_silu and self.mlp.down_proj.bias is None
+                and self.self_attn.o_proj.bias is None)
 
     def forward_op_by_op(self, hidden, residual, kv_cache, metadata):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -124,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling, config.rope_freq_factors)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)
@@ -149,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         the layers' own fused calls; at batch-1 decode those 30 calls cost some 0.6 ms of a 7-9 ms
         step. Returns False, having done nothing, where the layers cannot all take the fused path
         with these rows (many rows without every layer's packed weights)."""
+        if not all(layer.fusable for layer in self.layers):
+            return False
         stack = self.fused_cpu_stack_args()
         if stack is None:
             return False

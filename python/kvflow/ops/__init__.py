@@ -1,7 +1,7 @@
 """Python wrappers over torch.ops.kvflow, one module per topic (mirroring csrc/)."""
 
 from kvflow import _C
-from kvflow.ops.activation import gelu_tanh_and_mul, silu_and_mul
+from kvflow.ops.activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
 from kvflow.ops.decoder_layer import llama_decoder_layer, llama_decoder_layers
@@ -40,6 +40,7 @@ __all__ = [
     "copy_blocks",
     "cpu_isa",
     "fused_add_rms_norm",
+    "gelu_and_mul",
     "gelu_tanh_and_mul",
     "linear",
     "pack_linear_weight",

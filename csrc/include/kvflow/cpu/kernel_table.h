@@ -155,6 +155,7 @@ struct KernelTable {
   RotaryFn rotary_embedding[kNumDTypes][2];
   GatedActivationFn silu_and_mul[kNumDTypes];
   GatedActivationFn gelu_tanh_and_mul[kNumDTypes];
+  GatedActivationFn gelu_and_mul[kNumDTypes];
   // [dtype][head_dim 64, 128, 256]: head sizes are compile-time so accumulators stay in registers.
   PagedAttentionFn paged_attention[kNumDTypes][3];
   RowMaxFn row_max[kNumDTypes];

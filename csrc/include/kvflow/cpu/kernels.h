@@ -167,6 +167,25 @@ struct GeluTanh {
   }
 };
 
+// gelu(x) = x Phi(x) with erf from Abramowitz and Stegun 7.1.26 (|error| < 1.5e-7): with
+// a = |x|, Phi(x) = 1 - q for x >= 0 and q for x < 0, where q = 0.5 poly(t) e^(-a^2/2), so that
+// x Phi(x) = max(x, 0) - a q in both cases, without a branch or a select.
+struct Gelu {
+  template <class V>
+  static typename V::Reg apply(typename V::Reg x) {
+    const auto a = V::max(x, V::sub(V::zero(), x));
+    const auto z = V::mul(a, V::set1(0.7071067811865476f));
+    const auto t = V::reciprocal(V::fmadd(V::set1(0.3275911f), z, V::set1(1.f)));
+    auto poly = V::fmadd(V::set1(1.061405429f), t, V::set1(-1.453152027f));
+    poly = V::fmadd(poly, t, V::set1(1.421413741f));
+    poly = V::fmadd(poly, t, V::set1(-0.284496736f));
+    poly = V::fmadd(poly, t, V::set1(0.254829592f));
+    poly = V::mul(poly, t);
+    const auto q = V::mul(V::mul(V::set1(0.5f), poly), V::exp(V::mul(V::mul(z, z), V::set1(-1.f))));
+    return V::sub(V::max(x, V::zero()), V::mul(a, q));
+  }
+};
+
 template <class V, class Act, typename T>
 void gated_activation(void* out, int64_t out_stride, const void* input, int64_t in_stride, int64_t d,
                       int64_t begin, int64_t end) {
@@ -448,6 +467,9 @@ KernelTable make_kernel_table(const char* isa) {
   t.gelu_tanh_and_mul[int(DType::kFloat32)] = gated_activation<V, GeluTanh, float>;
   t.gelu_tanh_and_mul[int(DType::kFloat16)] = gated_activation<V, GeluTanh, float16>;
   t.gelu_tanh_and_mul[int(DType::kBFloat16)] = gated_activation<V, GeluTanh, bfloat16>;
+  t.gelu_and_mul[int(DType::kFloat32)] = gated_activation<V, Gelu, float>;
+  t.gelu_and_mul[int(DType::kFloat16)] = gated_activation<V, Gelu, float16>;
+  t.gelu_and_mul[int(DType::kBFloat16)] = gated_activation<V, Gelu, bfloat16>;
   fill_attention_row<V, float>(t.paged_attention[int(DType::kFloat32)]);
   fill_attention_row<V, float16>(t.paged_attention[int(DType::kFloat16)]);
   fill_attention_row<V, bfloat16>(t.paged_attention[int(DType::kBFloat16)]);

@@ -1,0 +1,36 @@
+"""What a Hugging Face config.json that kvflow cannot run gets: an error naming the architecture
+or the field, before any weight is read, never a model that runs and answers wrongly."""
+
+import json
+
+import pytest
+
+from kvflow.loader import load_model
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "max_position_embeddings": 256, "hidden_act": "silu"}
+
+
+def load_config(tmp_path, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("architecture", ["GPT2LMHeadModel", "OPTForCausalLM", "FalconForCausalLM",
+                                          "BloomForCausalLM", "DeepseekV3ForCausalLM"])
+def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, architecture):
+    # GPT-2's config has none of Llama's fields: the architecture is what the user must hear about.
+    config = {"architectures": [architecture], "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 2}
+    with pytest.raises(ValueError, match=f"unsupported model architecture '{architecture}'"):
+        load_config(tmp_path, config)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("hidden_act", "relu", "hidden_act 'relu' is not supported"),
+    ("hidden_act", "quick_gelu", "hidden_act 'quick_gelu' is not supported"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
+])
+def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path, {**LLAMA, field: value})
