@@ -58,6 +58,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, dtype, config.sliding_window_of(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
+        # Whether llama_decoder_layer computes this layer: SiLU, and no bias on o_proj or the MLP.
+        self.fusable = (self.mlp.gate_up_proj.plain_silu and self.mlp.down_proj.bias is None
+                        and self.self_attn.o_proj.bias is None)
         self._fused_cpu_args: tuple | None = None  # see fused_cpu_args
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
@@ -70,12 +73,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.forward_op_by_op(hidden, residual, kv_cache, metadata)
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
-
-    @property
-    def fusable(self) -> bool:
-        """Whether llama_decoder_layer computes this layer: SiLU, no bias on o_proj or the MLP."""
-        return (self.mlp.gate_up_proj.plain_silu and self.mlp.down_proj.bias is None
-                and self.self_attn.o_proj.bias is None)
 
     def forward_op_by_op(self, hidden, residual, kv_cache, metadata):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -156,8 +153,6 @@ class LlamaForCausalLM(nn.Module):
         the layers' own fused calls; at batch-1 decode those 30 calls cost some 0.6 ms of a 7-9 ms
         step. Returns False, having done nothing, where the layers cannot all take the fused path
         with these rows (many rows without every layer's packed weights)."""
-        if not all(layer.fusable for layer in self.layers):
-            return False
         stack = self.fused_cpu_stack_args()
         if stack is None:
             return False
@@ -185,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         if cached is not None and all(a is b for a, b in zip(cached[0], layer_args)):
             return cached[1]
         constants = layer_args[0][7:13]  # cos_sin_cache, heads, kv heads, eps, scale, sliding window
-        if any(args[7] is not constants[0] or args[8:13] != constants[1:] for args in layer_args):
+        if not all(layer.fusable for layer in self.layers) or any(
+                args[7] is not constants[0] or args[8:13] != constants[1:] for args in layer_args):
             stack = None
         else:
             weights = tuple(list(column) for column in zip(*(args[:7] for args in layer_args)))
