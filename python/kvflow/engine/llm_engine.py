@@ -155,11 +155,16 @@ class LLMEngine:
             return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise SamplingParamsError("prompt", "must be text or a non-empty list of token ids")
-        if len(prompt) >= self.max_model_len:  # before looking at each id: the list may be huge
-            raise SamplingParamsError("prompt", f"has {len(prompt)} tokens; the model's context (max_model_len) "
-                                                f"is {self.max_model_len}, which leaves no room for an answer")
+        self.check_num_prompt_ids(len(prompt))  # before looking at each id: the list may be huge
         vocab = self.model_config.vocab_size
         return None, [check_int("prompt", t, 0, vocab - 1) for t in prompt]
+
+    def check_num_prompt_ids(self, count: int) -> None:
+        """A prompt of `count` token ids must leave room for an answer; judged by the count alone.
+        Reads only fixed configuration, so any thread may call it."""
+        if count >= self.max_model_len:
+            raise SamplingParamsError("prompt", f"has {count} tokens; the model's context (max_model_len) is "
+                                                f"{self.max_model_len}, which leaves no room for an answer")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError unless a request of these (checked) ids and params can be served:

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.layers.activation import GATED_ACTIVATION_OPS
+from kvflow.ops.rope import SUPPORTED_ROPE_SCALING
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the paged attention kernels' compiled sizes
-SUPPORTED_ROPE_SCALING = ("llama3", "linear")  # kvflow.ops.rope.compute_cos_sin_cache
 
 
 @dataclass
@@ -70,7 +70,7 @@ class ModelConfig:
         if architecture not in MODEL_CLASSES:  # before any field is read as this family's
             raise ValueError(f"unsupported model architecture {architecture!r} "
                              f"(supported: {', '.join(MODEL_CLASSES)})")
-        reject_unsupported_fields(config, architecture)
+        reject_unsupported_fields(config)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope_scaling = config.get("rope_scaling")
@@ -124,7 +124,7 @@ class ModelConfig:
         )
 
 
-def reject_unsupported_fields(config: dict, architecture: str) -> None:
+def reject_unsupported_fields(config: dict) -> None:
     """A clear error for each config field that would change the math in a way this graph does
     not implement, rather than a model that runs and answers wrongly."""
     act = config.get("hidden_act", "silu")

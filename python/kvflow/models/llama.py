@@ -1,5 +1,6 @@
 """The Llama family: Llama 2/3/3.x (attention and MLP biases, GELU where the config says so),
-Mistral, Qwen2/2.5 (q/k/v biases, a window on the upper layers), SmolLM/SmolLM2 (tied embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
+Mistral, Qwen2/2.5 (q/k/v biases, a window on the upper layers), SmolLM/SmolLM2 (tied
+embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
 with no padding; the attention metadata says which request each row belongs to."""
 
 from collections.abc import Iterable

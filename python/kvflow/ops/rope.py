@@ -5,6 +5,9 @@ import math
 import torch
 
 
+SUPPORTED_ROPE_SCALING = ("llama3", "linear")  # rope_scaling types compute_cos_sin_cache implements
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1's rule: keep high frequencies, divide low ones by `factor`, blend between."""
     factor = scaling["factor"]
@@ -52,7 +55,7 @@ def compute_cos_sin_cache(
         elif rope_type == "linear":
             positions = positions / rope_scaling["factor"]
         elif rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3, linear)")
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
     angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
 

@@ -53,13 +53,6 @@ class PromptTokenizer:
             raise SamplingParamsError(field, f"has {len(text)} characters, more than the model's context of "
                                              f"{self.max_model_len} tokens can hold")
 
-    def check_num_ids(self, ids: list, field: str = "prompt") -> None:
-        """A prompt given as token ids must leave room for an answer; checked by its length alone,
-        before anyone looks at each id."""
-        if len(ids) >= self.max_model_len:
-            raise SamplingParamsError(field, f"has {len(ids)} tokens; the model's context (max_model_len) is "
-                                             f"{self.max_model_len}, which leaves no room for an answer")
-
     def _encode_bounded(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         if len(text) > SLICE_CHARS:
             count = 0

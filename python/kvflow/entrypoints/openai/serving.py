@@ -116,7 +116,7 @@ class OpenAIServing:
             return await self.prompt_tokenizer.encode(prompt)
         if not prompt:
             raise ValueError("prompt must not be empty")
-        self.prompt_tokenizer.check_num_ids(prompt)  # the engine thread then checks at most a context of ids
+        self.engine.engine.check_num_prompt_ids(len(prompt))  # so the engine thread checks at most a context of ids
         return list(prompt)
 
     @contextmanager
