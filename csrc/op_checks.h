@@ -388,4 +388,27 @@ inline DType check_logprobs_args(const at::Tensor& logits, const at::Tensor& tok
   return dtype;
 }
 
+struct EmbeddingGeometry {
+  int64_t num_tokens;
+  int64_t vocab_size;
+  int64_t row_bytes;  // one row of weight
+};
+
+// out [num_tokens, hidden] = weight[token_ids]: token_ids int64 [num_tokens], weight a contiguous
+// [vocab_size, hidden], out contiguous of weight's dtype.
+inline EmbeddingGeometry check_embedding_args(const at::Tensor& out, const at::Tensor& token_ids,
+                                              const at::Tensor& weight) {
+  kernel_dtype(weight, "weight");
+  check_like(out, "out", weight, "weight");
+  check_index_tensor(token_ids, "token_ids", at::kLong, weight);
+  TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [vocab_size, hidden] tensor, "
+              "got shape ", weight.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == weight.size(1) &&
+                  out.is_contiguous(),
+              "out must be a contiguous [", token_ids.size(0), ", ", weight.size(1), "] tensor, got shape ",
+              out.sizes());
+  return {token_ids.size(0), weight.size(0), weight.size(1) * weight.element_size()};
+}
+
 }  // namespace kvflow

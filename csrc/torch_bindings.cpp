@@ -4,16 +4,19 @@
 // tensors return ().
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <stdexcept>
 
 #include "block_allocator.h"
 #include "kvflow/cpu/kernel_table.h"
-#include "cpu/decoder_layer.h"
+#include "cpu/executor.h"
 #include "ops.h"
 
 TORCH_LIBRARY(kvflow, m) {
+  // out[t] = weight[token_ids[t]] (the CPU checks every id first; CUDA writes zeros for one out of range).
+  m.def("embedding(Tensor! out, Tensor token_ids, Tensor weight) -> ()");
   // out = input * rsqrt(mean(input^2, -1) + epsilon) * (weight + weight_offset), float32 math.
   // weight_offset = 1.0 gives the Gemma convention.
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon, float weight_offset=0.0) -> ()");
@@ -64,25 +67,10 @@ TORCH_LIBRARY(kvflow, m) {
   m.def("packed_linear(Tensor! out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
   // out = silu(input @ gate^T) * (input @ up^T) from pack_linear_weight(weight, gate_up=True). CPU only.
   m.def("packed_silu_and_mul(Tensor! out, Tensor input, Tensor packed_gate_up) -> ()");
-  m.def(
-      "llama_decoder_layer(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor input_norm_weight, "
-      "Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor post_norm_weight, Tensor gate_up_weight, "
-      "Tensor down_weight, Tensor cos_sin_cache, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int num_heads, int num_kv_heads, float epsilon, "
-      "float scale, int max_query_len, int max_seq_len, int sliding_window=-1, Tensor? qkv_packed=None, "
-      "Tensor? o_packed=None, Tensor? gate_up_packed=None, Tensor? down_packed=None) -> ()");
-  // llama_decoder_layer over every layer in one call: entry i of each list is layer i's.
-  m.def(
-      "llama_decoder_layers(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor[] input_norm_weights, "
-      "Tensor[] qkv_weights, Tensor?[] qkv_biases, Tensor[] o_weights, Tensor[] post_norm_weights, "
-      "Tensor[] gate_up_weights, Tensor[] down_weights, Tensor cos_sin_cache, Tensor(c!)[] key_caches, "
-      "Tensor(d!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "
-      "int num_heads, int num_kv_heads, float epsilon, float scale, int max_query_len, int max_seq_len, "
-      "int sliding_window, Tensor[] qkv_packed, Tensor[] o_packed, Tensor[] gate_up_packed, "
-      "Tensor[] down_packed) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
+  m.impl("embedding", &kvflow::cpu::embedding);
   m.impl("rms_norm", &kvflow::cpu::rms_norm);
   m.impl("fused_add_rms_norm", &kvflow::cpu::fused_add_rms_norm);
   m.impl("rotary_embedding", &kvflow::cpu::rotary_embedding);
@@ -100,12 +88,11 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("pack_linear_weight", &kvflow::cpu::pack_linear_weight);
   m.impl("packed_linear", &kvflow::cpu::packed_linear);
   m.impl("packed_silu_and_mul", &kvflow::cpu::packed_silu_and_mul);
-  m.impl("llama_decoder_layer", &kvflow::cpu::llama_decoder_layer);
-  m.impl("llama_decoder_layers", &kvflow::cpu::llama_decoder_layers);
 }
 
 #ifdef KVFLOW_WITH_CUDA
 TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
+  m.impl("embedding", &kvflow::cuda::embedding);
   m.impl("rms_norm", &kvflow::cuda::rms_norm);
   m.impl("fused_add_rms_norm", &kvflow::cuda::fused_add_rms_norm);
   m.impl("rotary_embedding", &kvflow::cuda::rotary_embedding);
@@ -135,13 +122,40 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_features", &kvflow::cpu::cpu_features,
         "Each x86 feature kvflow asks about (by /proc/cpuinfo's names), and whether this CPU has it.");
   m.def(
-      "decode_region_stats",
+      "executor_region_stats",
       [] {
-        const kvflow::cpu::RegionStats s = kvflow::cpu::decode_region_stats();
+        const kvflow::cpu::RegionStats s = kvflow::cpu::executor_region_stats();
         return py::make_tuple(s.steps, s.wall_seconds, s.thread_seconds, s.wait_thread_seconds);
       },
-      "(steps, wall seconds, thread-seconds, thread-seconds waiting at barriers) of every one-region decode "
-      "step so far in this process.");
+      "(replays, wall seconds, thread-seconds, thread-seconds waiting at barriers) of every CPU program replay "
+      "with two or more threads so far in this process.");
+
+  // A captured model step on the CPU (cpu/executor.h); kvflow.engine.cpu_programs builds them.
+  using kvflow::cpu::CpuProgram;
+  py::class_<CpuProgram>(m, "CpuProgram", R"doc(
+A program of CPU op nodes, replayed inside one parallel region.
+
+add(op, tensors, ints, floats) appends the node of one call of torch.ops.kvflow.<op>, its arguments
+in schema order by kind (tensors, None for an absent optional one; ints and bools; floats); it
+raises for an op without a node or arguments the op would refuse. run(max_query_len, max_seq_len)
+replays every node over the tensors they were added with: all nodes check this step's metadata
+first, so a bad step raises before anything is written.)doc")
+      .def(py::init<>())
+      .def(
+          "add",
+          [](CpuProgram& program, std::string op, std::vector<std::optional<at::Tensor>> tensors,
+             std::vector<int64_t> ints, std::vector<double> floats) {
+            program.add({std::move(op), std::move(tensors), std::move(ints), std::move(floats)});
+          },
+          py::arg("op"), py::arg("tensors"), py::arg("ints"), py::arg("floats"))
+      .def("starts_shared", &CpuProgram::starts_shared, py::arg("index"),
+           "Whether a barrier always precedes node `index`: memory only the nodes before it read may be reused "
+           "from it on.")
+      .def("run", &CpuProgram::run, py::arg("max_query_len"), py::arg("max_seq_len"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &CpuProgram::size)
+      .def_property_readonly("replays", &CpuProgram::replays, "How many times run has replayed the program.");
+
   m.def("supported_cpu_isas", &kvflow::cpu::supported_isas,
         "Instruction sets the CPU kernels can use on this machine, narrowest first.");
   m.def(

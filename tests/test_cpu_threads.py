@@ -11,7 +11,7 @@ from kvflow.engine.cpu_threads import CpuThreadGovernor
 
 
 class FakeRegion:
-    """decode_region_stats as the region would count them: steps, wall, thread and waiting seconds."""
+    """executor_region_stats as the region would count them: steps, wall, thread and waiting seconds."""
 
     def __init__(self):
         self.stats = (0, 0.0, 0.0, 0.0)
@@ -21,14 +21,14 @@ class FakeRegion:
         self.stats = (s + steps, wall + steps * seconds, busy + steps * seconds * threads,
                       wait + steps * seconds * threads * wait_share)
 
-    def decode_region_stats(self):
+    def executor_region_stats(self):
         return self.stats
 
 
 def test_governor_steps_on_one_thread_while_barriers_wait_and_comes_back(monkeypatch):
     region = FakeRegion()
     clock = [100.0]
-    monkeypatch.setattr(cpu_threads, "_C", types.SimpleNamespace(decode_region_stats=region.decode_region_stats))
+    monkeypatch.setattr(cpu_threads, "_C", types.SimpleNamespace(executor_region_stats=region.executor_region_stats))
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -64,10 +64,10 @@ def test_governor_steps_on_one_thread_while_barriers_wait_and_comes_back(monkeyp
 def test_decode_region_counts_its_steps_and_waits():
     if torch.get_num_threads() < 2:
         torch.set_num_threads(2)
-    before = kvflow._C.decode_region_stats()
+    before = kvflow._C.executor_region_stats()
     llm = kvflow.LLM(kv_cache_memory=1 << 24, max_model_len=256)
     llm.generate(["Hello"], kvflow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    steps, wall, busy, waited = (a - b for a, b in zip(kvflow._C.decode_region_stats(), before))
+    steps, wall, busy, waited = (a - b for a, b in zip(kvflow._C.executor_region_stats(), before))
     assert steps >= 5  # every decode step of one request runs in the region
     assert 0 < wall and wall * 1.5 <= busy <= wall * torch.get_num_threads() * 1.01 + 1e-3
     assert 0 <= waited < busy

@@ -4,7 +4,7 @@ forward pass reads them, zeroed where fresh, and backed by huge pages where the 
 import torch
 from torch import nn
 
-from kvflow.engine.huge_pages import empty_in_huge_pages, move_parameters_to_huge_pages
+from kvflow.loader.huge_pages import empty_in_huge_pages, move_parameters_to_huge_pages
 
 
 def test_parameters_keep_their_values_and_follow_registration_order():

@@ -19,6 +19,7 @@ def op_cases():
         return torch.randn(*shape, dtype=torch.bfloat16)
 
     return {
+        "embedding": (torch.ops.kvflow.embedding, (torch.empty(3, 111), torch.tensor([0, 6, 2]), x)),
         "rms_norm": (torch.ops.kvflow.rms_norm, (torch.empty(7, 111), x, w, 1e-6, 0.0)),
         "fused_add_rms_norm": (torch.ops.kvflow.fused_add_rms_norm, (x.clone(), torch.randn(7, 111), w, 1e-6, 1.0)),
         "rotary_embedding": (
@@ -66,33 +67,6 @@ def op_cases():
                                 (torch.empty(3, 25, dtype=torch.bfloat16), torch.randn(3, 33, dtype=torch.bfloat16),
                                  torch.ops.kvflow.pack_linear_weight(torch.randn(50, 33, dtype=torch.bfloat16),
                                                                      True))),
-        "llama_decoder_layer": (
-            torch.ops.kvflow.llama_decoder_layer,
-            (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), torch.ones(64), torch.randn(5 * 64, 64),
-             None, torch.randn(64, 192), torch.ones(64), torch.randn(256, 64), torch.randn(64, 128),
-             ops.compute_cos_sin_cache(64, 32), cache[:, :, :1].clone(), cache[:, :, :1].clone(), torch.tensor([3, 23]),
-             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
-             torch.tensor([4, 8], dtype=torch.int32), 3, 1, 1e-5, 0.125, 1, 8, -1),
-        ),
-        "llama_decoder_layer (packed weights)": (
-            torch.ops.kvflow.llama_decoder_layer,
-            (bf16(10, 64), bf16(10, 64), torch.arange(10), bf16(64), bf16(5 * 64, 64), None, bf16(64, 192), bf16(64),
-             bf16(256, 64), bf16(64, 128), ops.compute_cos_sin_cache(64, 32), bf16_cache.clone(), bf16_cache.clone(),
-             torch.arange(10), torch.tensor([[0]], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32),
-             torch.tensor([10], dtype=torch.int32), 3, 1, 1e-5, 0.125, 10, 10, -1,
-             ops.pack_linear_weight(bf16(5 * 64, 64)), ops.pack_linear_weight(bf16(64, 192)),
-             ops.pack_linear_weight(bf16(256, 64), gate_up=True), ops.pack_linear_weight(bf16(64, 128))),
-        ),
-        "llama_decoder_layers": (
-            torch.ops.kvflow.llama_decoder_layers,
-            (torch.randn(2, 64), torch.randn(2, 64), torch.tensor([3, 7]), [torch.ones(64)] * 2,
-             [torch.randn(5 * 64, 64), torch.randn(5 * 64, 64)], [None, torch.randn(5 * 64)],
-             [torch.randn(64, 192)] * 2, [torch.ones(64)] * 2, [torch.randn(256, 64)] * 2, [torch.randn(64, 128)] * 2,
-             ops.compute_cos_sin_cache(64, 32), [cache[:, :, :1].clone(), cache[:, :, :1].clone()],
-             [cache[:, :, :1].clone(), cache[:, :, :1].clone()], torch.tensor([3, 23]),
-             torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
-             torch.tensor([4, 8], dtype=torch.int32), 3, 1, 1e-5, 0.125, 1, 8, -1, [], [], [], []),
-        ),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -3,6 +3,7 @@
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
@@ -21,7 +22,47 @@ void gated_activation(at::Tensor& out, const at::Tensor& input, GatedActivationF
   });
 }
 
+GatedActivationFn const (&gated_kernels(const KernelTable& table, const std::string& op))[kNumDTypes] {
+  if (op == "silu_and_mul") return table.silu_and_mul;
+  if (op == "gelu_and_mul") return table.gelu_and_mul;
+  TORCH_CHECK(op == "gelu_tanh_and_mul", "no gated activation kernel for the op ", op);
+  return table.gelu_tanh_and_mul;
+}
+
+class GatedActivationNode final : public OpNode {
+ public:
+  explicit GatedActivationNode(const NodeArgs& args) : op_(args.op), out_(args.tensor(0)), input_(args.tensor(1)) {
+    check_device_type(input_, "input", c10::DeviceType::CPU);
+    geometry_ = check_gated_args(out_, input_);
+    gated_kernels(active_kernels(), op_);  // an unknown op fails here, at capture
+    share_ = RowShare::of(input_, geometry_.in.rows);
+  }
+
+  void prepare(StepContext&) override { kernel_ = gated_kernels(active_kernels(), op_)[int(geometry_.dtype)]; }
+
+  int64_t units(int) const override { return share_.units; }
+
+  void run(int, int64_t tid, int64_t team) override {
+    const Range rows = share_.rows(tid, team);
+    if (rows.begin < rows.end) {
+      kernel_(out_.data_ptr(), geometry_.out.stride, input_.data_ptr(), geometry_.in.stride, geometry_.out.width,
+              rows.begin, rows.end);
+    }
+  }
+
+ private:
+  std::string op_;
+  at::Tensor out_, input_;
+  GatedGeometry geometry_{};
+  RowShare share_;
+  GatedActivationFn kernel_ = nullptr;
+};
+
 }  // namespace
+
+std::unique_ptr<OpNode> make_gated_activation_node(const NodeArgs& args) {
+  return std::make_unique<GatedActivationNode>(args);
+}
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
   gated_activation(out, input, active_kernels().silu_and_mul);

@@ -5,12 +5,14 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <numeric>
 #include <vector>
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 #include "prepared_ops.h"
 
@@ -158,6 +160,94 @@ void run_attention_items(const PagedAttentionPlan& plan, const PagedAttentionArg
 void merge_attention_tokens(const PagedAttentionPlan& plan, const PagedAttentionArgs& args, int64_t begin,
                             int64_t end) {
   if (plan.max_splits > 1) merge_attention_splits(args, args.head_dim, plan.dtype, plan.num_splits.data(), begin, end);
+}
+
+namespace {
+
+// Every layer of a step attends over the same requests: the first node of a kind (same metadata,
+// shapes, window) validates the metadata and makes the work list, the others share it with
+// their own output, query and caches. The step's max_query_len and max_seq_len replace the
+// captured ones.
+class PagedAttentionNode final : public OpNode {
+ public:
+  explicit PagedAttentionNode(const NodeArgs& args)
+      : out_(args.tensor(0)),
+        query_(args.tensor(1)),
+        key_cache_(args.tensor(2)),
+        value_cache_(args.tensor(3)),
+        block_tables_(args.tensor(4)),
+        cu_seqlens_q_(args.tensor(5)),
+        seq_lens_(args.tensor(6)),
+        scale_(args.real(0)),
+        soft_cap_(args.real(1)),
+        sliding_window_(args.integer(2)) {
+    check_device_type(query_, "query", c10::DeviceType::CPU);
+    const AttentionGeometry g = check_paged_attention_args(
+        out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_, args.integer(0),
+        args.integer(1), sliding_window_, soft_cap_, std::nullopt);
+    TORCH_CHECK(g.block_size % 16 == 0, "key_cache's block_size ", g.block_size,
+                " is not supported on the CPU (a multiple of 16 is)");
+    num_tokens_ = g.num_tokens;
+    key_ = {reinterpret_cast<int64_t>(block_tables_.data_ptr()), reinterpret_cast<int64_t>(cu_seqlens_q_.data_ptr()),
+            reinterpret_cast<int64_t>(seq_lens_.data_ptr()), g.num_tokens, g.batch, g.num_q_heads, g.num_kv_heads,
+            g.head_dim, g.block_size, g.num_blocks, g.max_blocks_per_seq, query_.stride(0),
+            int64_t(g.dtype), sliding_window_, 0, 0, 0};
+    std::memcpy(&key_[14], &scale_, sizeof(double));
+    std::memcpy(&key_[15], &soft_cap_, sizeof(double));
+  }
+
+  void prepare(StepContext& step) override {
+    std::vector<int64_t> key = key_;
+    key.push_back(step.max_query_len);
+    key.push_back(step.max_seq_len);
+    key.push_back(step.threads);
+    auto& shared = step.attention_plans[key];
+    if (shared == nullptr) {
+      const std::optional<at::Tensor> workspace =
+          step.workspace.defined() ? std::optional<at::Tensor>(step.workspace) : std::nullopt;
+      auto plan = std::make_shared<PagedAttentionPlan>(plan_paged_attention(
+          out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_, scale_,
+          step.max_query_len, step.max_seq_len, sliding_window_, soft_cap_, workspace, step.threads));
+      if (plan->partials.defined() && !plan->partials.is_same(step.workspace)) step.workspace = plan->partials;
+      shared = std::move(plan);
+    }
+    plan_ = shared;
+    args_ = plan_->args;
+    args_.out = out_.data_ptr();
+    args_.query = query_.data_ptr();
+    args_.key_cache = key_cache_.data_ptr();
+    args_.value_cache = value_cache_.data_ptr();
+    next_item_.store(0, std::memory_order_relaxed);
+  }
+
+  int phases() const override { return plan_ != nullptr && plan_->max_splits > 1 ? 2 : 1; }
+
+  int64_t units(int phase) const override { return phase == 0 ? kShared : num_tokens_; }
+
+  void run(int phase, int64_t tid, int64_t team) override {
+    if (phase == 0) {
+      run_attention_items(*plan_, args_, next_item_);
+    } else {
+      const Range tokens = share_of(num_tokens_, 1, team, tid);
+      if (tokens.begin < tokens.end) merge_attention_tokens(*plan_, args_, tokens.begin, tokens.end);
+    }
+  }
+
+ private:
+  at::Tensor out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_;
+  double scale_, soft_cap_;
+  int64_t sliding_window_;
+  int64_t num_tokens_ = 0;
+  std::vector<int64_t> key_;
+  std::shared_ptr<const PagedAttentionPlan> plan_;
+  PagedAttentionArgs args_{};
+  std::atomic<int64_t> next_item_{0};
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_paged_attention_node(const NodeArgs& args) {
+  return std::make_unique<PagedAttentionNode>(args);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -8,26 +8,72 @@
 #include <vector>
 
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 #include "prepared_ops.h"
 
 namespace kvflow::cpu {
+namespace {
 
-CacheWritePlan plan_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                      const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  check_device_type(key, "key", c10::DeviceType::CPU);
-  const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < g.num_tokens; ++t) {
-    TORCH_CHECK(slots[t] >= -1 && slots[t] < g.num_slots, "slot_mapping[", t, "] = ", slots[t],
-                " is outside [-1, ", g.num_slots, ") (num_blocks * block_size; -1 skips the token)");
+void check_slots(const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t], " is outside [-1, ",
+                num_slots, ") (num_blocks * block_size; -1 skips the token)");
   }
   // Tokens are copied in parallel: two writing one slot would leave it a mix of both.
-  std::vector<int64_t> used(slots, slots + g.num_tokens);
+  std::vector<int64_t> used(slots, slots + num_tokens);
   std::sort(used.begin(), used.end());
   const auto repeat = std::adjacent_find(std::lower_bound(used.begin(), used.end(), int64_t(0)), used.end());
   TORCH_CHECK(repeat == used.end(), "slot_mapping holds slot ", repeat == used.end() ? 0 : *repeat,
               " more than once");
+}
+
+// The slots are checked once a step for all the nodes that read them with one cache size.
+class CacheWriteNode final : public OpNode {
+ public:
+  explicit CacheWriteNode(const NodeArgs& args)
+      : key_(args.tensor(0)),
+        value_(args.tensor(1)),
+        key_cache_(args.tensor(2)),
+        value_cache_(args.tensor(3)),
+        slot_mapping_(args.tensor(4)),
+        plan_(plan_reshape_and_cache(key_, value_, key_cache_, value_cache_, slot_mapping_, false)) {
+    num_slots_ = key_cache_.size(0) * key_cache_.size(1);
+  }
+
+  void prepare(StepContext& step) override {
+    if (step.first_time({kCheckSlots, reinterpret_cast<int64_t>(plan_.slots), plan_.num_tokens, num_slots_})) {
+      check_slots(plan_.slots, plan_.num_tokens, num_slots_);
+    }
+  }
+
+  int64_t units(int) const override { return plan_.num_tokens; }
+
+  void run(int, int64_t tid, int64_t team) override {
+    const Range tokens = share_of(plan_.num_tokens, 1, team, tid);
+    write_cache_tokens(plan_, key_cache_.data_ptr(), value_cache_.data_ptr(), tokens.begin, tokens.end);
+  }
+
+ private:
+  static constexpr int64_t kCheckSlots = 2;
+  at::Tensor key_, value_, key_cache_, value_cache_, slot_mapping_;
+  CacheWritePlan plan_;
+  int64_t num_slots_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_reshape_and_cache_node(const NodeArgs& args) {
+  return std::make_unique<CacheWriteNode>(args);
+}
+
+CacheWritePlan plan_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                      bool check_slot_values) {
+  check_device_type(key, "key", c10::DeviceType::CPU);
+  const CacheGeometry g = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (check_slot_values) check_slots(slots, g.num_tokens, g.num_slots);
   const int64_t elem = key.element_size();
   return CacheWritePlan{static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()),
                         g.key_stride * elem, g.value_stride * elem, slots, g.num_tokens, g.token_elems * elem};

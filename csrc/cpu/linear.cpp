@@ -6,13 +6,22 @@
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
-#include "product_cells.h"
+#include "kvflow/cpu/product_cells.h"
 
 namespace kvflow::cpu {
 
-void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
+namespace {
+
+struct SmallLinearGeometry {
+  DType dtype;
+  bool out_is_float32;
+  int64_t rows, in_features, out_features;
+};
+
+SmallLinearGeometry check_small_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias) {
   check_device_type(input, "input", c10::DeviceType::CPU);
   const DType dtype = kernel_dtype(weight, "weight");
   check_like(input, "input", weight, "weight");
@@ -31,9 +40,68 @@ void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& we
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->is_contiguous(), "bias must be [",
                 out_features, "], got shape ", bias->sizes());
   }
+  return {dtype, out_is_float32, rows, in_features, out_features};
+}
+
+// The product's cells stay from step to step (reset before each); all threads take part.
+class SmallLinearNode final : public OpNode {
+ public:
+  explicit SmallLinearNode(const NodeArgs& args)
+      : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)), bias_(args.optional_tensor(3)) {
+    geometry_ = check_small_linear(out_, input_, weight_, bias_);
+    TORCH_CHECK(input_.is_contiguous(), "small_linear in a program needs a contiguous input, got strides ",
+                input_.strides());
+  }
+
+  void prepare(StepContext& step) override {
+    kernel_ = active_kernels().small_linear[int(geometry_.dtype)];
+    if (cells_ == nullptr || cells_->parts() != step.threads) {
+      cells_ = std::make_unique<ProductCells>(weight_.data_ptr(), geometry_.out_features,
+                                              geometry_.in_features * weight_.element_size(), step.threads);
+    } else {
+      cells_->reset();
+    }
+  }
+
+  int64_t units(int) const override { return kShared; }
+
+  void run(int, int64_t tid, int64_t) override {
+    if (geometry_.rows == 0) return;
+    void* out = out_.data_ptr();
+    const void* x = input_.data_ptr();
+    const void* bias = bias_.has_value() ? bias_->data_ptr() : nullptr;
+    const SmallLinearGeometry& g = geometry_;
+    cells_->run(tid, [&](int64_t begin, int64_t end) {
+      kernel_(out, g.out_is_float32, x, cells_->weight(), bias, g.rows, g.in_features, g.out_features, begin, end);
+    });
+  }
+
+  const char* first_read(int, int64_t tid) const override {
+    return cells_ != nullptr ? cells_->first_read(tid) : nullptr;
+  }
+
+ private:
+  at::Tensor out_, input_, weight_;
+  std::optional<at::Tensor> bias_;
+  SmallLinearGeometry geometry_{};
+  std::unique_ptr<ProductCells> cells_;
+  SmallLinearFn kernel_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_small_linear_node(const NodeArgs& args) {
+  return std::make_unique<SmallLinearNode>(args);
+}
+
+void small_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
+  const SmallLinearGeometry g = check_small_linear(out, input, weight, bias);
+  const int64_t rows = g.rows, in_features = g.in_features, out_features = g.out_features;
+  const bool out_is_float32 = g.out_is_float32;
   if (rows == 0) return;  // the kernels' tiles assume at least one row
   const at::Tensor x = input.contiguous();
-  const SmallLinearFn kernel = active_kernels().small_linear[int(dtype)];
+  const SmallLinearFn kernel = active_kernels().small_linear[int(g.dtype)];
   void* out_ptr = out.data_ptr();
   const void* x_ptr = x.data_ptr();
   const void* w_ptr = weight.data_ptr();

@@ -3,6 +3,7 @@
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
@@ -11,7 +12,60 @@ namespace {
 // Enough elements per task that the thread hand-off is noise against the row work.
 int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
+// rms_norm (out, input) or fused_add_rms_norm (input, residual) as a program node.
+class NormNode final : public OpNode {
+ public:
+  NormNode(const NodeArgs& args, bool fused)
+      : x_(args.tensor(0)), y_(args.tensor(1)), weight_(args.tensor(2)), fused_(fused) {
+    const char* x_name = fused ? "input" : "out";
+    const char* y_name = fused ? "residual" : "input";
+    check_device_type(x_, x_name, c10::DeviceType::CPU);
+    epsilon_ = float(args.real(0));
+    weight_offset_ = float(args.real(1));
+    // check_norm_args takes the tensor the rows are read from first
+    geometry_ = fused ? check_norm_args(x_, x_name, y_, y_name, weight_, args.real(0))
+                      : check_norm_args(y_, y_name, x_, x_name, weight_, args.real(0));
+    share_ = RowShare::of(x_, geometry_.x.rows);
+  }
+
+  void prepare(StepContext&) override {
+    const KernelTable& kernels = active_kernels();
+    rms_norm_ = kernels.rms_norm[int(geometry_.dtype)];
+    fused_add_ = kernels.fused_add_rms_norm[int(geometry_.dtype)];
+  }
+
+  int64_t units(int) const override { return share_.units; }
+
+  void run(int, int64_t tid, int64_t team) override {
+    const Range rows = share_.rows(tid, team);
+    if (rows.begin >= rows.end) return;
+    const int64_t width = geometry_.x.width;
+    if (fused_) {
+      fused_add_(x_.data_ptr(), geometry_.x.stride, y_.data_ptr(), geometry_.y.stride, weight_.data_ptr(), width,
+                 epsilon_, weight_offset_, rows.begin, rows.end);
+    } else {  // geometry_.x is the input's rows, geometry_.y the output's
+      rms_norm_(x_.data_ptr(), geometry_.y.stride, y_.data_ptr(), geometry_.x.stride, weight_.data_ptr(), width,
+                epsilon_, weight_offset_, rows.begin, rows.end);
+    }
+  }
+
+ private:
+  at::Tensor x_, y_, weight_;  // rms_norm: out, input; fused_add_rms_norm: input, residual
+  bool fused_;
+  float epsilon_ = 0, weight_offset_ = 0;
+  NormGeometry geometry_{};
+  RowShare share_;
+  RmsNormFn rms_norm_ = nullptr;
+  FusedAddRmsNormFn fused_add_ = nullptr;
+};
+
 }  // namespace
+
+std::unique_ptr<OpNode> make_rms_norm_node(const NodeArgs& args) { return std::make_unique<NormNode>(args, false); }
+
+std::unique_ptr<OpNode> make_fused_add_rms_norm_node(const NodeArgs& args) {
+  return std::make_unique<NormNode>(args, true);
+}
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon,
               double weight_offset) {

@@ -5,6 +5,7 @@
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
@@ -79,6 +80,11 @@ void check_packed_product(const at::Tensor& out, const at::Tensor& input, const 
   TORCH_CHECK(out.stride(1) == 1, "out must have unit stride in its last dimension, got strides ", out.strides());
 }
 
+// Threads get whole panels; a panel is too little work to hand out below ~256K multiply-adds.
+int64_t panels_per_task(int64_t rows, int64_t in_features) {
+  return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * kPanel * in_features));
+}
+
 void run_packed_product(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                         const bfloat16* bias, bool silu_and_mul) {
   const int64_t rows = input.size(0), in_features = input.size(1), panels = packed_weight.size(0);
@@ -88,8 +94,7 @@ void run_packed_product(at::Tensor& out, const at::Tensor& input, const at::Tens
   const bool out_is_float32 = out.scalar_type() == at::kFloat;
   const auto* x = reinterpret_cast<const bfloat16*>(input.data_ptr());
   const auto* w = reinterpret_cast<const bfloat16*>(packed_weight.data_ptr());
-  // Threads get whole panels; a panel is too little work to hand out below ~256K multiply-adds.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (rows * kPanel * in_features));
+  const int64_t grain = panels_per_task(rows, in_features);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     kernel(out_ptr, out.stride(0), out_is_float32, silu_and_mul, x, input.stride(0), w, bias, rows, in_features,
            out.size(1), begin, end);
@@ -97,6 +102,73 @@ void run_packed_product(at::Tensor& out, const at::Tensor& input, const at::Tens
 }
 
 }  // namespace
+
+namespace {
+
+// packed_linear or packed_silu_and_mul as a program node: each thread takes its share of the
+// panels, as at::parallel_for would cut them.
+class PackedProductNode final : public OpNode {
+ public:
+  explicit PackedProductNode(const NodeArgs& args)
+      : out_(args.tensor(0)), input_(args.tensor(1)), packed_(args.tensor(2)), silu_and_mul_(args.op != "packed_linear") {
+    if (silu_and_mul_) {
+      check_packed_product(out_, input_, packed_, kGateUpHalfPanel, "pack_linear_weight(gate_up=True)");
+      check_bfloat16(out_, "out");
+    } else {
+      check_packed_product(out_, input_, packed_, kPanel, "pack_linear_weight");
+      TORCH_CHECK(out_.scalar_type() == at::kBFloat16 || out_.scalar_type() == at::kFloat,
+                  "out must be bfloat16 or float32, got ", out_.scalar_type());
+      bias_ = args.optional_tensor(3);
+      if (bias_.has_value()) {
+        check_bfloat16(*bias_, "bias");
+        TORCH_CHECK(bias_->dim() == 1 && bias_->size(0) == out_.size(1) && bias_->is_contiguous(), "bias must be [",
+                    out_.size(1), "], got shape ", bias_->sizes());
+      }
+    }
+  }
+
+  void prepare(StepContext& step) override {
+    kernel_ = active_kernels().packed_linear;
+    threads_ = step.threads;
+  }
+
+  int64_t units(int) const override { return kShared; }
+
+  void run(int, int64_t tid, int64_t team) override {
+    const Range panels = share(tid, team);
+    if (panels.begin >= panels.end) return;
+    kernel_(out_.data_ptr(), out_.stride(0), out_.scalar_type() == at::kFloat, silu_and_mul_,
+            reinterpret_cast<const bfloat16*>(input_.data_ptr()), input_.stride(0),
+            reinterpret_cast<const bfloat16*>(packed_.data_ptr()),
+            bias_.has_value() ? reinterpret_cast<const bfloat16*>(bias_->data_ptr()) : nullptr, input_.size(0),
+            input_.size(1), out_.size(1), panels.begin, panels.end);
+  }
+
+  const char* first_read(int, int64_t tid) const override {
+    const Range panels = share(tid, threads_);
+    return panels.begin < panels.end
+               ? static_cast<const char*>(packed_.data_ptr()) + panels.begin * packed_.stride(0) * packed_.element_size()
+               : nullptr;
+  }
+
+ private:
+  Range share(int64_t tid, int64_t team) const {
+    if (input_.size(0) == 0) return {0, 0};
+    return share_of(packed_.size(0), panels_per_task(input_.size(0), input_.size(1)), team, tid);
+  }
+
+  at::Tensor out_, input_, packed_;
+  std::optional<at::Tensor> bias_;
+  bool silu_and_mul_;
+  PackedLinearFn kernel_ = nullptr;
+  int64_t threads_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_packed_linear_node(const NodeArgs& args) {
+  return std::make_unique<PackedProductNode>(args);
+}
 
 void packed_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& packed_weight,
                    const std::optional<at::Tensor>& bias) {

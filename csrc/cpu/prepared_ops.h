@@ -1,7 +1,7 @@
 // CPU ops split into a checking half, run once, and a kernel half over a range of the work, for
-// callers that run the same op many times per call on different data: llama_decoder_layers'
-// decode region runs every layer's rope, cache write and attention from one set of checked
-// arguments, inside one parallel region. The ops themselves are the two halves back to back.
+// callers that run the same op many times on different data: the executor's nodes check once
+// what every layer's rope, cache write and attention share, and run inside one parallel region.
+// The ops themselves are the two halves back to back.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,8 +49,10 @@ struct RotaryPlan {
   int64_t num_tokens = 0;
 };
 
+// check_positions false: the caller has checked these positions against a table of this size.
 RotaryPlan plan_rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
-                                 int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox);
+                                 int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox,
+                                 bool check_positions = true);
 
 // reshape_and_cache's copies, slots range-checked and free of repeats.
 struct CacheWritePlan {
@@ -62,8 +64,10 @@ struct CacheWritePlan {
   int64_t row_bytes;  // one token's heads
 };
 
+// check_slots false: the caller has checked these slots against caches of this size.
 CacheWritePlan plan_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                                      const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+                                      const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                      bool check_slots = true);
 
 // Tokens [begin, end) into the caches (of the shape the plan was checked against).
 void write_cache_tokens(const CacheWritePlan& plan, void* key_cache, void* value_cache, int64_t begin, int64_t end);

@@ -4,20 +4,72 @@
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 #include "prepared_ops.h"
 
 namespace kvflow::cpu {
+namespace {
+
+void check_positions(const int64_t* positions, int64_t num_tokens, int64_t max_position) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(positions[t] >= 0 && positions[t] < max_position, "positions[", t, "] = ", positions[t],
+                " is outside the cos_sin_cache range [0, ", max_position, ")");
+  }
+}
+
+// The positions are checked once a step for all the nodes that read them with one table size.
+class RotaryNode final : public OpNode {
+ public:
+  explicit RotaryNode(const NodeArgs& args)
+      : positions_(args.tensor(0)),
+        query_(args.tensor(1)),
+        key_(args.optional_tensor(2)),
+        cos_sin_cache_(args.tensor(3)),
+        head_size_(args.integer(0)),
+        is_neox_(args.integer(1) != 0) {
+    check_device_type(query_, "query", c10::DeviceType::CPU);
+    geometry_ = check_rotary_args(positions_, query_, key_, head_size_, cos_sin_cache_);
+    plan_ = plan_rotary_embedding(positions_, query_, key_, head_size_, cos_sin_cache_, is_neox_, false);
+  }
+
+  void prepare(StepContext& step) override {
+    if (step.first_time({kCheckPositions, reinterpret_cast<int64_t>(plan_.args.positions), geometry_.num_tokens,
+                         geometry_.max_position})) {
+      check_positions(plan_.args.positions, geometry_.num_tokens, geometry_.max_position);
+    }
+    plan_.kernel = active_kernels().rotary_embedding[int(geometry_.dtype)][geometry_.cache_is_float32 ? 0 : 1];
+  }
+
+  int64_t units(int) const override { return geometry_.num_tokens; }
+
+  void run(int, int64_t tid, int64_t team) override {
+    const Range tokens = share_of(geometry_.num_tokens, 1, team, tid);
+    if (tokens.begin < tokens.end) plan_.kernel(plan_.args, tokens.begin, tokens.end);
+  }
+
+ private:
+  static constexpr int64_t kCheckPositions = 1;
+  at::Tensor positions_, query_;
+  std::optional<at::Tensor> key_;
+  at::Tensor cos_sin_cache_;
+  int64_t head_size_;
+  bool is_neox_;
+  RotaryGeometry geometry_{};
+  RotaryPlan plan_;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_rotary_embedding_node(const NodeArgs& args) { return std::make_unique<RotaryNode>(args); }
 
 RotaryPlan plan_rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
-                                 int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
+                                 int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox,
+                                 bool check_positions_in_range) {
   check_device_type(query, "query", c10::DeviceType::CPU);
   const RotaryGeometry g = check_rotary_args(positions, query, key, head_size, cos_sin_cache);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < g.num_tokens; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < g.max_position, "positions[", t, "] = ", pos[t],
-                " is outside the cos_sin_cache range [0, ", g.max_position, ")");
-  }
+  if (check_positions_in_range) check_positions(pos, g.num_tokens, g.max_position);
   RotaryPlan plan;
   RotaryArgs& args = plan.args;
   args.positions = pos;

@@ -1,4 +1,4 @@
-// ProductCells (cpu/product_cells.h), the hand-out of a few-row product's output features: under
+// ProductCells (kvflow/cpu/product_cells.h), the hand-out of a few-row product's output features: under
 // real threads every feature is computed exactly once, in cells that start on the kernel's
 // 4-feature tiles of each part, owners first; and a part whose thread never runs is done by the
 // others.
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "check.h"
-#include "cpu/product_cells.h"
+#include "kvflow/cpu/product_cells.h"
 
 using kvflow::cpu::ProductCells;
 using kvflow::cpu::Range;

@@ -79,7 +79,7 @@ class CpuPlatform:
             "many-row bf16 products (prefill, batched decode)": products,
             "few-row products (decode, LM head)": f"kvflow small_linear, {few_rows}",
             "paged attention": f"kvflow {'AVX-512 BF16' if self.bf16_dot_product else self.isa} kernel",
-            "decode step (<= 8 rows, 2+ threads)": "one parallel region per step (kvflow decoder_layers)",
+            "decode step": "a captured program, replayed in one parallel region per step (kvflow CPU executor)",
             "default CPU dtype": self.default_cpu_dtype,
         }
 

@@ -21,7 +21,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None    # bytes of KV cache; None: 1 GiB on the CPU, and on CUDA what
                                           # gpu_memory_utilization leaves after weights and activations
     gpu_memory_utilization: float = 0.9   # CUDA: the share of the GPU's memory the engine may use
-    enforce_eager: bool = False           # CUDA: no CUDA graphs (decode steps launch kernel by kernel)
+    enforce_eager: bool = False           # decode steps op by op: no CUDA graphs, no CPU programs
     block_size: int = 16
     enable_prefix_caching: bool = True
     threads: int | None = None            # CPU threads (default: torch's)

@@ -1,7 +1,7 @@
 """Fewer CPU threads while another process takes a core.
 
 A decode step runs its threads in one parallel region that meets at a barrier between kernels
-(csrc/cpu/decode_region.cpp). When another busy process shares a core with one of those threads,
+(the CPU executor, csrc/cpu/executor.cpp). When another busy process shares a core with one of those threads,
 the thread runs only part of the time, and every barrier waits for it: the step then takes longer
 than on one thread alone. The region counts its threads' time at the barriers; where that share
 rises far above the few percent of a machine to itself, the engine steps on one thread for a while,
@@ -24,7 +24,7 @@ class CpuThreadGovernor:
     def __init__(self, threads: int):
         self.threads = threads
         self.reduced_until: float | None = None
-        self._mark = _C.decode_region_stats()
+        self._mark = _C.executor_region_stats()
 
     @property
     def reduced(self) -> bool:
@@ -37,7 +37,7 @@ class CpuThreadGovernor:
         change), else all of them, and the region's waits judged afterwards."""
         if self.reduced and time.monotonic() >= self.reduced_until:
             self.reduced_until = None
-            self._mark = _C.decode_region_stats()
+            self._mark = _C.executor_region_stats()
         if not self.reduced:
             yield
             self._judge()
@@ -51,7 +51,7 @@ class CpuThreadGovernor:
     def _judge(self) -> None:
         if self.threads < 2:
             return
-        stats = _C.decode_region_stats()
+        stats = _C.executor_region_stats()
         if stats[0] - self._mark[0] < self.WINDOW_STEPS:
             return
         thread_seconds, waited = stats[2] - self._mark[2], stats[3] - self._mark[3]

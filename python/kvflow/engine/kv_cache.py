@@ -2,7 +2,7 @@
 
 import torch
 
-from kvflow.engine.huge_pages import empty_in_huge_pages
+from kvflow.loader.huge_pages import empty_in_huge_pages
 from kvflow.models.config import ModelConfig
 
 

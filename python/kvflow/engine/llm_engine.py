@@ -15,7 +15,6 @@ from kvflow import platform
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kvflow.engine.cpu_threads import CpuThreadGovernor
-from kvflow.engine.huge_pages import move_parameters_to_huge_pages
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -24,7 +23,6 @@ from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.stop_strings import StopStringMatcher
 from kvflow.loader import load_model
-from kvflow.ops.cache import copy_blocks
 from kvflow.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvflow")
@@ -73,11 +71,7 @@ class LLMEngine:
         if not config.on_cuda and not self.platform.vector_kernels:
             logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
                            self.platform.model)
-        loaded = load_model(config.model, config.torch_dtype, config.device)
-        if config.cpu_prepack_weights and config.device == "cpu" and hasattr(loaded.model, "prepack_linear_weights"):
-            loaded.model.prepack_linear_weights()
-        if not config.on_cuda:
-            move_parameters_to_huge_pages(loaded.model)  # decode streams them every step
+        loaded = load_model(config.model, config.torch_dtype, config.device, config.cpu_prepack_weights)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
@@ -91,7 +85,10 @@ class LLMEngine:
         num_blocks = kv_cache_memory // kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {kv_cache_memory} bytes holds no KV block")
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.device)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.device,
+                                  cpu_programs=not config.enforce_eager)
+        if self.runner.cpu_programs is not None:
+            self.runner.cpu_programs.capture_idle(1)  # the first decode step of a lone request, ready
         if config.on_cuda and not config.enforce_eager:
             start = time.perf_counter()
             sizes = self.runner.capture_decode_graphs(min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH), max_model_len)
@@ -236,14 +233,11 @@ class LLMEngine:
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
         try:
-            if plan.copies:
-                copy_blocks([k for k, _ in self.runner.kv_caches], [v for _, v in self.runner.kv_caches],
-                            torch.tensor(plan.copies, dtype=torch.int64, device=self.runner.device))
             if self.cpu_threads is None:
-                sampled = self.runner.execute(batch)
+                sampled = self.runner.execute(batch, plan.copies)
             else:
                 with self.cpu_threads.step():
-                    sampled = self.runner.execute(batch)
+                    sampled = self.runner.execute(batch, plan.copies)
         except BaseException as error:
             # Every request's input was checked when it was added, so this is the engine's own
             # fault (a kernel error, or an interrupt). The step's keys and values are half
@@ -292,18 +286,10 @@ class LLMEngine:
         return outputs
 
     def _fork(self, request: _Request) -> None:
-        """Samples 1..n-1 start from sample 0's prompt blocks, each with its own reference; each
-        recomputes the last prompt token for logits of its own (written into a copy of the shared
-        block), then draws with its own seed."""
-        parent = request.samples[0].seq
-        prompt_len = len(request.prompt_token_ids)
-        blocks = parent.block_table[: -(-prompt_len // self.scheduler.config.block_size)]
-        for sample in reversed(request.unforked):
-            self.allocator.fork(blocks)
-            sample.seq.block_table = list(blocks)
-            sample.seq.num_computed_tokens = prompt_len - 1
-            sample.seq.block_hashes = parent.block_hashes[: (prompt_len - 1) // self.scheduler.config.block_size]
-            self.scheduler.add_forked(sample.seq)
+        """Samples 1..n-1 join the batch now that sample 0 has computed the prompt (see
+        Scheduler.fork)."""
+        self.scheduler.fork(request.samples[0].seq, [sample.seq for sample in request.unforked],
+                            len(request.prompt_token_ids))
         self._unforked_samples -= len(request.unforked)
         request.unforked = []
 

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.cpu_programs import CpuDecodePrograms
 from kvflow.engine.cuda_graphs import DecodeCudaGraphs
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.sampling_params import SamplingParams
 from kvflow.models.config import ModelConfig
+from kvflow.ops.cache import copy_blocks
 from kvflow.ops.sampling import apply_penalties, compute_logprobs, sample
 
 
@@ -38,7 +40,9 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", cpu_programs: bool = True):
+        """cpu_programs: on the CPU, decode steps replay captured programs (cpu_programs.py);
+        False runs every step op by op."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -46,6 +50,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, model.dtype, self.device)
         self.decode_graphs: DecodeCudaGraphs | None = None
+        self.cpu_programs: CpuDecodePrograms | None = None
+        if self.device.type == "cpu" and cpu_programs:
+            self.cpu_programs = CpuDecodePrograms(model, self.kv_caches, block_size, config.max_position_embeddings)
 
     def capture_decode_graphs(self, max_batch: int, max_seq_len: int) -> list[int]:
         """On CUDA: captures the decode graphs (see cuda_graphs.py); returns the batch sizes."""
@@ -56,8 +63,14 @@ class ModelRunner:
         return self.decode_graphs.sizes
 
     @torch.inference_mode()
-    def execute(self, requests: list[ScheduledRequest]) -> list[SampledToken | None]:
-        """Runs one step; returns, per request, the sampled token or None where none was due."""
+    def execute(self, requests: list[ScheduledRequest],
+                block_copies: list[tuple[int, int]] | None = None) -> list[SampledToken | None]:
+        """Runs one step, after copying each (source, destination) block of block_copies in every
+        layer's cache (blocks about to be written that other requests share); returns, per
+        request, the sampled token or None where none was due."""
+        if block_copies:
+            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                        torch.tensor(block_copies, dtype=torch.int64, device=self.device))
         if not requests:
             return []
         for r in requests:
@@ -73,25 +86,28 @@ class ModelRunner:
             [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
             self.block_size, self.device if graphs is None else "cpu", num_blocks=self.num_blocks)
         input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
-        if graphs is not None and graphs.can_run(metadata):
-            hidden = graphs.run(input_ids, metadata)
-        else:
-            hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
-
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
         results: list[SampledToken | None] = [None] * len(requests)
-        if not due:
-            return results
-        last_rows, end = [], 0
-        for r in requests:
-            end += len(r.token_ids)
-            last_rows.append(end - 1)
-        rows = [last_rows[i] for i in due]
-        if len(rows) == hidden.shape[0]:
-            sampled_hidden = hidden
+        programs = self.cpu_programs
+        if programs is not None and len(due) == len(requests) and programs.can_run(metadata):
+            logits = programs.run(input_ids, metadata)
         else:
-            sampled_hidden = hidden[self._tensor(rows, torch.int64)]
-        logits = self.model.compute_logits(sampled_hidden)
+            if graphs is not None and graphs.can_run(metadata):
+                hidden = graphs.run(input_ids, metadata)
+            else:
+                hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
+            if not due:
+                return results
+            last_rows, end = [], 0
+            for r in requests:
+                end += len(r.token_ids)
+                last_rows.append(end - 1)
+            rows = [last_rows[i] for i in due]
+            if len(rows) == hidden.shape[0]:
+                sampled_hidden = hidden
+            else:
+                sampled_hidden = hidden[self._tensor(rows, torch.int64)]
+            logits = self.model.compute_logits(sampled_hidden)
         for i, sampled in zip(due, self._sample(logits, [requests[i] for i in due])):
             results[i] = sampled
         return results

@@ -84,11 +84,20 @@ class Scheduler:
             raise ValueError(f"a request of up to {longest} tokens needs {blocks} KV blocks; the pool has only "
                              f"{self.allocator.num_blocks} (raise the KV cache memory or lower max_tokens)")
 
-    def add_forked(self, seq: Sequence) -> None:
-        """Queues, first in line, a parallel sample that already shares its parent's blocks (it
-        brings its own block references; writes into shared blocks are copied first)."""
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def fork(self, parent: Sequence, children: list[Sequence], prompt_len: int) -> None:
+        """Parallel samples of parent's request start from its prompt blocks, each with its own
+        reference; each recomputes the last prompt token for logits of its own (written into a
+        copy of the shared block: see _grow), then draws with its own seed. They are queued first
+        in line, in order."""
+        block_size = self.config.block_size
+        blocks = parent.block_table[: -(-prompt_len // block_size)]
+        for seq in reversed(children):
+            self.allocator.fork(blocks)
+            seq.block_table = list(blocks)
+            seq.num_computed_tokens = prompt_len - 1
+            seq.block_hashes = parent.block_hashes[: (prompt_len - 1) // block_size]
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -43,7 +43,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: the share of the GPU's memory the engine may use")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="CUDA: launch decode steps kernel by kernel instead of replaying CUDA graphs")
+                        help="run decode steps op by op instead of replaying a CUDA graph (CUDA) or a captured "
+                        "program in one parallel region (CPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")

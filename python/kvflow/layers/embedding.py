@@ -14,7 +14,10 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(token_ids, self.weight)
+        """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
+        out = self.weight.new_empty((token_ids.shape[0], self.weight.shape[1]))
+        torch.ops.kvflow.embedding(out, token_ids, self.weight)
+        return out
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 

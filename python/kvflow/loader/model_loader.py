@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
@@ -50,9 +51,12 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu") -> LoadedModel:
+               device: torch.device | str = "cpu", cpu_prepack_weights: bool = False) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`
-    (float quantized weights are dequantized at load), with its tokenizer."""
+    (float quantized weights are dequantized at load), with its tokenizer. On the CPU the weights
+    are then prepared for the kernels: packed copies for many-row products where
+    cpu_prepack_weights says so, and everything moved into huge pages (decode streams it every
+    step)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
     start = time.perf_counter()
@@ -75,4 +79,14 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
         graph = graph_class(config, dtype)
     graph.load_weights(weights)
     graph.eval()
+    if torch.device(device).type == "cpu":
+        prepare_cpu_weights(graph, cpu_prepack_weights)
     return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)
+
+
+def prepare_cpu_weights(model: torch.nn.Module, prepack: bool) -> None:
+    """Packed copies of the projection weights for many-row products (where prepack and the
+    model can), then every weight into huge pages, in the order a forward pass reads them."""
+    if prepack and hasattr(model, "prepack_linear_weights"):
+        model.prepack_linear_weights()
+    move_parameters_to_huge_pages(model)

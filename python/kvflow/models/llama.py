@@ -13,7 +13,6 @@ from kvflow.layers import (GateUpLinear, LMHead, Linear, MergedLinear, PagedAtte
                            VocabEmbedding)
 from kvflow.layers.linear import copy_checked
 from kvflow.models.config import ModelConfig
-from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -59,66 +58,20 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, dtype, config.sliding_window_of(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
-        # Whether llama_decoder_layer computes this layer: SiLU, and no bias on o_proj or the MLP.
-        self.fusable = (self.mlp.gate_up_proj.plain_silu and self.mlp.down_proj.bias is None
-                        and self.self_attn.o_proj.bias is None)
-        self._fused_cpu_args: tuple | None = None  # see fused_cpu_args
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, kv_cache: KVCache,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual += hidden, then the layer; returns (its output, the residual stream)."""
-        if hidden.is_cpu and self.fusable:
-            args = self._fused_cpu_args or self.fused_cpu_args()
-            if hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS or args[-1] is not None:
-                return self.forward_fused_cpu(hidden, residual, kv_cache, metadata)
-        return self.forward_op_by_op(hidden, residual, kv_cache, metadata)
-
-    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
-
-    def forward_op_by_op(self, hidden, residual, kv_cache, metadata):
-        hidden, residual = self.input_layernorm(hidden, residual)
+        """residual += hidden (the first layer: residual = hidden), then the layer; returns (its
+        output, the residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def forward_fused_cpu(self, hidden, residual, kv_cache, metadata):
-        """The same kernels in the same order as forward_op_by_op, called from C++ in one op
-        (kvflow::llama_decoder_layer): at decode, per-op dispatch would otherwise cost more than
-        several layers' attention. A few rows read the plain weights (small_linear), more read
-        the packed ones. Writes the output into hidden."""
-        (input_norm, qkv, qkv_bias, o_proj, post_norm, gate_up, down, cos_sin_cache, num_heads, num_kv_heads, eps,
-         scale, sliding_window, packed) = self._fused_cpu_args or self.fused_cpu_args()
-        if packed is not None and hidden.shape[0] > SMALL_LINEAR_MAX_ROWS:
-            qkv_packed, o_packed, gate_up_packed, down_packed = (p.data for p in packed)
-        else:
-            qkv_packed = o_packed = gate_up_packed = down_packed = None
-        torch.ops.kvflow.llama_decoder_layer(
-            hidden, residual, metadata.positions, input_norm, qkv, qkv_bias, o_proj, post_norm, gate_up, down,
-            cos_sin_cache, kv_cache[0], kv_cache[1], metadata.slot_mapping, metadata.block_tables,
-            metadata.cu_seqlens_q, metadata.seq_lens, num_heads, num_kv_heads, eps, scale, metadata.max_query_len,
-            metadata.max_seq_len, sliding_window, qkv_packed, o_packed, gate_up_packed, down_packed)
-        return hidden, residual
-
-    def fused_cpu_args(self) -> tuple:
-        """The layer's weights and constants for llama_decoder_layer, gathered once: looking them
-        up through nn.Module attributes on every call cost about 25 us a layer, some 0.8 ms of a
-        10 ms batch-1 decode step. Last, the PackedWeights of its four projections where all four are
-        packed (their .data read per call, so that moving them stays visible), else
-        None. Dropped whenever the module's tensors are replaced (_apply) or repacked."""
-        attn, mlp = self.self_attn, self.mlp
-        packed = (attn.qkv_proj.packed_weight, attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
-                  mlp.down_proj.packed_weight)
-        native = all(p is not None for p in packed) and packed[2].gate_up
-        self._fused_cpu_args = (
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-            self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            attn.rotary.cos_sin_cache, attn.attn.num_heads, attn.attn.num_kv_heads, self.input_layernorm.eps,
-            attn.attn.scale, attn.attn.sliding_window, packed if native else None)
-        return self._fused_cpu_args
-
-    def _apply(self, fn, *args, **kwargs):
-        self._fused_cpu_args = None  # .to() and friends may put new tensors in the buffers
-        return super()._apply(fn, *args, **kwargs)
+    __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,69 +86,17 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)
-        self._fused_cpu_stack: tuple | None = None  # see fused_cpu_stack_args
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
         """input_ids [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
-        residual = self.embed_tokens(input_ids)
-        hidden = torch.zeros_like(residual)  # each layer begins with residual += hidden: the first adds nothing
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for a model of {len(self.layers)} layers")
-        if not (hidden.is_cpu and self.forward_fused_cpu(hidden, residual, metadata, kv_caches)):
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                hidden, residual = layer(hidden, residual, kv_cache, metadata)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def forward_fused_cpu(self, hidden: torch.Tensor, residual: torch.Tensor, metadata: AttentionMetadata,
-                          kv_caches: list[KVCache]) -> bool:
-        """Every layer in one kvflow::llama_decoder_layers call, the result bit for bit that of
-        the layers' own fused calls; at batch-1 decode those 30 calls cost some 0.6 ms of a 7-9 ms
-        step. Returns False, having done nothing, where the layers cannot all take the fused path
-        with these rows (many rows without every layer's packed weights)."""
-        stack = self.fused_cpu_stack_args()
-        if stack is None:
-            return False
-        (input_norms, qkvs, qkv_biases, o_projs, post_norms, gate_ups, downs, cos_sin_cache, num_heads, num_kv_heads,
-         eps, scale, sliding_window, packed) = stack
-        packed_lists = ((), (), (), ())
-        if hidden.shape[0] > SMALL_LINEAR_MAX_ROWS:
-            if packed is None:
-                return False
-            packed_lists = tuple([p.data for p in weights] for weights in packed)
-        torch.ops.kvflow.llama_decoder_layers(
-            hidden, residual, metadata.positions, input_norms, qkvs, qkv_biases, o_projs, post_norms, gate_ups, downs,
-            cos_sin_cache, [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches], metadata.slot_mapping,
-            metadata.block_tables, metadata.cu_seqlens_q, metadata.seq_lens, num_heads, num_kv_heads, eps, scale,
-            metadata.max_query_len, metadata.max_seq_len, sliding_window, *packed_lists)
-        return True
-
-    def fused_cpu_stack_args(self) -> tuple | None:
-        """The layers' fused_cpu_args regrouped for llama_decoder_layers: one list per weight,
-        the shared constants once, and the packed weights as four lists of PackedWeights (None
-        unless every layer has them). Rebuilt whenever a layer has regathered its own arguments;
-        None if the layers' constants differ (then each layer runs on its own)."""
-        layer_args = [layer._fused_cpu_args or layer.fused_cpu_args() for layer in self.layers]
-        cached = self._fused_cpu_stack
-        if cached is not None and all(a is b for a, b in zip(cached[0], layer_args)):
-            return cached[1]
-        constants = layer_args[0][7:13]  # cos_sin_cache, heads, kv heads, eps, scale, sliding window
-        if not all(layer.fusable for layer in self.layers) or any(
-                args[7] is not constants[0] or args[8:13] != constants[1:] for args in layer_args):
-            stack = None
-        else:
-            weights = tuple(list(column) for column in zip(*(args[:7] for args in layer_args)))
-            packed = None
-            if all(args[13] is not None for args in layer_args):
-                packed = tuple(list(column) for column in zip(*(args[13] for args in layer_args)))
-            stack = (*weights, *constants, packed)
-        self._fused_cpu_stack = (layer_args, stack)
-        return stack
-
-    def _apply(self, fn, *args, **kwargs):
-        self._fused_cpu_stack = None  # holds the layers' old tensors until the next forward otherwise
-        return super()._apply(fn, *args, **kwargs)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -205,10 +106,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack_linear_weights(self) -> int:
         """Packed copies of the projection weights for many-row products on the CPU (see
         Linear.prepack); returns how many were packed."""
-        packed = sum(module.prepack() for module in self.modules() if isinstance(module, (Linear, LMHead)))
-        for layer in self.layers:
-            layer._fused_cpu_args = None  # gathered again, with the new packed weights
-        return packed
+        return sum(module.prepack() for module in self.modules() if isinstance(module, (Linear, LMHead)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters

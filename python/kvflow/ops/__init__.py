@@ -4,7 +4,7 @@ from kvflow import _C
 from kvflow.ops.activation import gelu_and_mul, gelu_tanh_and_mul, silu_and_mul
 from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
-from kvflow.ops.decoder_layer import llama_decoder_layer, llama_decoder_layers
+from kvflow.ops.embedding import embedding
 from kvflow.ops.linear import linear, pack_linear_weight, packed_linear, packed_silu_and_mul, small_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
@@ -32,13 +32,12 @@ def set_cpu_isa(name: str) -> None:
 __all__ = [
     "apply_penalties",
     "apply_sampling_filters",
-    "llama_decoder_layer",
-    "llama_decoder_layers",
     "compute_logprobs",
     "sample",
     "compute_cos_sin_cache",
     "copy_blocks",
     "cpu_isa",
+    "embedding",
     "fused_add_rms_norm",
     "gelu_and_mul",
     "gelu_tanh_and_mul",

@@ -1,7 +1,7 @@
 // How the threads share a few-row product (small_linear): the output features cut into one part
 // per thread, each part a row of cells; a thread takes its own part's cells front to back and
-// then the others' from the back. Used by the small_linear op and by llama_decoder_layers'
-// decode region, which keeps one ProductCells per product of the step.
+// then the others' from the back. Used by the small_linear op and by the executor's small_linear
+// nodes, which keep theirs from step to step (reset between steps).
 #pragma once
 
 #include <algorithm>
@@ -43,11 +43,17 @@ class ProductCells {
         parts_(parts),
         cells_(parts) {
     cell_ = std::max<int64_t>(4, kCellBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
-    for (int64_t p = 0; p < parts; ++p) {
-      const Range range = share_of(out_features, kGrain, parts, p);
-      cells_[p].range = range;
-      const uint64_t count = uint64_t((range.end - range.begin + cell_ - 1) / cell_);
-      cells_[p].front_back.store(count, std::memory_order_relaxed);  // front 0, back count
+    for (int64_t p = 0; p < parts; ++p) cells_[p].range = share_of(out_features, kGrain, parts, p);
+    reset();
+  }
+
+  int64_t parts() const { return parts_; }
+
+  // Every cell left again, for the next product over the same weights (no thread may be running).
+  void reset() {
+    for (Part& part : cells_) {
+      const uint64_t count = uint64_t((part.range.end - part.range.begin + cell_ - 1) / cell_);
+      part.front_back.store(count, std::memory_order_relaxed);  // front 0, back count
     }
   }
 

@@ -1,0 +1,63 @@
+"""Where a decode step's time goes on the CPU, one request at a time on the embedded model: the
+executor's parallel region (every kernel of the forward, embedding through the LM head), the rest
+of ModelRunner.execute around it (metadata, static buffers, the sampler), and the engine's own
+work (scheduling, detokenizing, stop checks). Medians over the decode steps of a few requests.
+
+    python benchmarks/bench_step_overhead.py [--requests 4] [--tokens 128]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+from kvflow import LLM, SamplingParams, _C
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    llm = LLM()
+    engine, runner = llm.engine, llm.engine.runner
+    rng = random.Random(0)
+    vocab = llm.tokenizer.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate([[rng.randrange(100, vocab - 100) for _ in range(128)]], params, use_tqdm=False)  # warm-up
+
+    samples = []  # (step, execute, region) seconds of each decode step that replayed a program
+    execute_seconds = [0.0]
+    run_execute, run_step = runner.execute, engine.step
+
+    def timed_execute(*a, **k):
+        start = time.perf_counter()
+        try:
+            return run_execute(*a, **k)
+        finally:
+            execute_seconds[0] = time.perf_counter() - start
+
+    def timed_step():
+        replays, region_before = runner.cpu_programs.replays, _C.executor_region_stats()[1]
+        start = time.perf_counter()
+        outputs = run_step()
+        step = time.perf_counter() - start
+        if runner.cpu_programs.replays == replays + 1:
+            samples.append((step, execute_seconds[0], _C.executor_region_stats()[1] - region_before))
+        return outputs
+
+    runner.execute, engine.step = timed_execute, timed_step
+    for _ in range(args.requests):
+        llm.generate([[rng.randrange(100, vocab - 100) for _ in range(128)]], params, use_tqdm=False)
+
+    step, execute, region = (statistics.median(column) for column in zip(*samples))
+    around = statistics.median(s - r for s, _, r in samples)
+    print(f"{len(samples)} decode steps replayed, {_C.cpu_isa()}, medians in ms:")
+    print(f"  engine step {1e3 * step:.3f}   ModelRunner.execute {1e3 * execute:.3f}   region {1e3 * region:.3f}")
+    print(f"  around the region: in execute {1e3 * (execute - region):.3f}, in the engine step "
+          f"{1e3 * (step - execute):.3f}, together {1e3 * around:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+// CpuProgram: prepare every node, then one parallel region over the schedule of their phases.
+#include "executor.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <unordered_map>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kvflow/cpu/spin_barrier.h"
+
+namespace kvflow::cpu {
+namespace {
+
+// What a thread asks for while it waits at a barrier: the first cell of its next product.
+constexpr int64_t kAheadBytes = 32 << 10;
+
+std::atomic<int64_t> region_steps{0}, region_wall_ns{0}, region_thread_ns{0}, region_wait_ns{0};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+using NodeFactory = std::unique_ptr<OpNode> (*)(const NodeArgs&);
+
+const std::unordered_map<std::string, NodeFactory>& node_factories() {
+  static const std::unordered_map<std::string, NodeFactory> factories{
+      {"embedding", &make_embedding_node},
+      {"rms_norm", &make_rms_norm_node},
+      {"fused_add_rms_norm", &make_fused_add_rms_norm_node},
+      {"rotary_embedding", &make_rotary_embedding_node},
+      {"silu_and_mul", &make_gated_activation_node},
+      {"gelu_and_mul", &make_gated_activation_node},
+      {"gelu_tanh_and_mul", &make_gated_activation_node},
+      {"reshape_and_cache", &make_reshape_and_cache_node},
+      {"paged_attention", &make_paged_attention_node},
+      {"small_linear", &make_small_linear_node},
+      {"packed_linear", &make_packed_linear_node},
+      {"packed_silu_and_mul", &make_packed_linear_node},
+  };
+  return factories;
+}
+
+// One phase of one node in the region, and whether the threads meet before it.
+struct Entry {
+  OpNode* node;
+  int phase;
+  bool barrier_before;
+};
+
+}  // namespace
+
+const at::Tensor& NodeArgs::tensor(size_t i) const {
+  TORCH_CHECK(i < tensors.size() && tensors[i].has_value(), op, ": tensor argument ", i, " is missing");
+  return *tensors[i];
+}
+
+const std::optional<at::Tensor>& NodeArgs::optional_tensor(size_t i) const {
+  TORCH_CHECK(i < tensors.size(), op, ": tensor argument ", i, " is missing");
+  return tensors[i];
+}
+
+int64_t NodeArgs::integer(size_t i) const {
+  TORCH_CHECK(i < ints.size(), op, ": int argument ", i, " is missing");
+  return ints[i];
+}
+
+double NodeArgs::real(size_t i) const {
+  TORCH_CHECK(i < floats.size(), op, ": float argument ", i, " is missing");
+  return floats[i];
+}
+
+void CpuProgram::add(NodeArgs args) {
+  const auto& factories = node_factories();
+  const auto found = factories.find(args.op);
+  TORCH_CHECK(found != factories.end(), "the CPU executor has no node for the op kvflow::", args.op);
+  nodes_.push_back(found->second(args));
+}
+
+bool CpuProgram::starts_shared(size_t i) const {
+  TORCH_CHECK(i < nodes_.size(), "node ", i, " of a program of ", nodes_.size());
+  return nodes_[i]->starts_shared();
+}
+
+void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
+  StepContext step;
+  step.threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  step.max_query_len = max_query_len;
+  step.max_seq_len = max_seq_len;
+  step.workspace = workspace_;
+  for (auto& node : nodes_) node->prepare(step);
+  workspace_ = step.workspace;
+
+  std::vector<Entry> schedule;
+  schedule.reserve(nodes_.size() * 2);
+  int64_t previous = kShared;
+  for (auto& node : nodes_) {
+    for (int phase = 0; phase < node->phases(); ++phase) {
+      const int64_t units = node->units(phase);
+      const bool follows_same_rows = previous != kShared && units == previous;
+      schedule.push_back({node.get(), phase, !schedule.empty() && !follows_same_rows});
+      previous = units;
+    }
+  }
+  ++replays_;
+  const int64_t threads = step.threads;
+#ifdef _OPENMP
+  if (threads > 1) {
+    SpinBarrier barrier;
+    const int64_t region_start = now_ns();
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t thread_start = now_ns();
+      int64_t waited = 0;
+      for (const Entry& entry : schedule) {
+        if (entry.barrier_before) {
+          const int64_t start = now_ns();
+          barrier.wait(team, entry.node->first_read(entry.phase, tid), kAheadBytes);
+          waited += now_ns() - start;
+        }
+        entry.node->run(entry.phase, tid, team);
+      }
+      region_wait_ns.fetch_add(waited, std::memory_order_relaxed);
+      region_thread_ns.fetch_add(now_ns() - thread_start, std::memory_order_relaxed);
+    }
+    region_wall_ns.fetch_add(now_ns() - region_start, std::memory_order_relaxed);
+    region_steps.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+#endif
+  for (const Entry& entry : schedule) entry.node->run(entry.phase, 0, 1);
+}
+
+RegionStats executor_region_stats() {
+  return {region_steps.load(std::memory_order_relaxed), region_wall_ns.load(std::memory_order_relaxed) * 1e-9,
+          region_thread_ns.load(std::memory_order_relaxed) * 1e-9,
+          region_wait_ns.load(std::memory_order_relaxed) * 1e-9};
+}
+
+}  // namespace kvflow::cpu

@@ -1,0 +1,356 @@
+"""The CPU executor (kvflow._C.CpuProgram, captured by kvflow.engine.cpu_programs): a decode step
+replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
+and every KV cache), for every layer kind, at 1, 2 and 3 threads and on every instruction set;
+and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
+cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
+executor too. A bad step is refused before any node writes."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch_size
+from kvflow.engine.kv_cache import allocate_kv_caches
+from kvflow.layers import Linear, RMSNorm
+from kvflow.models.config import ModelConfig
+from kvflow.models.llama import LlamaForCausalLM
+
+BLOCK = 16
+VARIANTS = {
+    "llama": {},
+    "qkv_bias": {"attention_bias": True},  # Qwen2
+    "all_biases_gelu": {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True, "hidden_act": "gelu"},
+    "gelu_tanh": {"hidden_act": "gelu_pytorch_tanh"},
+    "sliding_window": {"layer_sliding_windows": [None, 24]},
+}
+
+
+def small_model(dtype, variant="llama", tie=False):
+    config = ModelConfig("LlamaForCausalLM", vocab_size=97, hidden_size=192, intermediate_size=320, num_layers=2,
+                         num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=tie, **VARIANTS[variant])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    return model
+
+
+def decode_step(model, context_lens, dtype, seed=0):
+    """Caches holding random context, and the metadata and token ids of one decode token each."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = max(32, sum(-(-(c + 1) // BLOCK) for c in context_lens))
+    kv = allocate_kv_caches(model.config, num_blocks, BLOCK, dtype, "cpu")
+    for key_cache, value_cache in kv:
+        key_cache.copy_(torch.randn(key_cache.shape, generator=g))
+        value_cache.copy_(torch.randn(value_cache.shape, generator=g))
+    tables, next_block = [], 0
+    for c in context_lens:
+        blocks = -(-(c + 1) // BLOCK)
+        tables.append(list(range(next_block, next_block + blocks))[::-1])  # out of order on purpose
+        next_block += blocks
+    md = AttentionMetadata.build([1] * len(context_lens), [c + 1 for c in context_lens], tables, BLOCK,
+                                 num_blocks=num_blocks)
+    ids = torch.randint(0, model.config.vocab_size, (len(context_lens),), generator=g)
+    return ids, md, kv
+
+
+def op_by_op(model, ids, md, kv):
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, md, kv))
+
+
+def replay(model, ids, md, kv, times=2):
+    """The step captured (its first run) and replayed `times` times on fresh copies of the caches;
+    returns the last replay's logits and caches, and the programs."""
+    programs = CpuDecodePrograms(model, kv, BLOCK, model.config.max_position_embeddings)
+    saved = [(k.clone(), v.clone()) for k, v in kv]
+    logits = None
+    for _ in range(1 + times):
+        for (k, v), (k0, v0) in zip(kv, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+        logits = programs.run(ids, md).clone()
+    assert programs.refusals == {}
+    return logits, programs
+
+
+def assert_replay_equals_op_by_op(model, ids, md, kv):
+    kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
+    expected = op_by_op(model, ids, md, kv)
+    logits, programs = replay(model, ids, md, kv_replayed)
+    assert programs.replays == 2  # replayed, not run op by op
+    assert torch.equal(logits, expected)
+    for (k, v), (k1, v1) in zip(kv, kv_replayed):
+        assert torch.equal(k, k1) and torch.equal(v, v1)
+
+
+@pytest.fixture(params=[1, 2, 3])
+def threads(request):
+    """1, 2 and 3 threads (3 on a 2-core machine: one thread at a time is descheduled)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("context_lens", [[37], [5, 240, 0], [200, 3, 90, 17, 64, 1, 9, 33]])
+def test_replay_equals_op_by_op(dtype, variant, context_lens, threads, cpu_isa):
+    """A few rows on the plain weights (small_linear); 200 keys or more split the attention."""
+    model = small_model(dtype, variant)
+    assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, dtype))
+
+
+@pytest.mark.parametrize("variant", ["llama", "qkv_bias", "sliding_window"])
+@pytest.mark.parametrize("batch", [9, 13, 40])
+def test_replay_on_packed_weights_equals_op_by_op(variant, batch, threads, cpu_isa):
+    """More than 8 rows on prepacked bfloat16 weights (packed_linear, packed_silu_and_mul), in a
+    class padded to a multiple of 8: the padding rows write no cache slot."""
+    model = small_model(torch.bfloat16, variant, tie=True)
+    model.prepack_linear_weights()
+    context_lens = [(7 * i) % 130 for i in range(batch)]
+    assert program_batch_size(batch) % 8 == 0
+    assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, torch.bfloat16))
+
+
+def reference_logits(model, ids, md, kv):
+    """The decode step in plain float32 PyTorch from the formulas: each request's past keys and
+    values read from the caches through its block table."""
+    config = model.config
+    heads, kv_heads, d = config.num_heads, config.num_kv_heads, config.head_dim
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[
+        config.hidden_act]
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w.float()
+
+    def linear(x, module):
+        return F.linear(x, module.weight.float(), None if module.bias is None else module.bias.float())
+
+    positions = md.positions
+    residual = model.embed_tokens.weight.float()[ids]
+    hidden = torch.zeros_like(residual)
+    for i, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv)):
+        residual = residual + hidden
+        x = rms(residual, layer.input_layernorm.weight)
+        attn = layer.self_attn
+        q, k, v = linear(x, attn.qkv_proj).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+        cos, sin = attn.rotary.cos_sin_cache[positions].chunk(2, -1)
+
+        def rotate(t, n):
+            a, b = t.view(len(positions), n, d).chunk(2, -1)
+            return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
+
+        q, k, v = rotate(q, heads), rotate(k, kv_heads), v.view(len(positions), kv_heads, d)
+        window = config.sliding_window_of(i)
+        outputs = []
+        for b in range(len(ids)):
+            pos = int(positions[b])
+            table = md.block_tables[b].tolist()
+            slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(pos)]
+            keys = torch.cat([key_cache.view(-1, kv_heads, d)[slots].float(), k[b:b + 1]])
+            values = torch.cat([value_cache.view(-1, kv_heads, d)[slots].float(), v[b:b + 1]])
+            if window:
+                keys, values = keys[-window:], values[-window:]
+            keys = keys.repeat_interleave(heads // kv_heads, 1)
+            values = values.repeat_interleave(heads // kv_heads, 1)
+            scores = torch.einsum("hd,khd->hk", q[b], keys) / math.sqrt(d)
+            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1))
+        residual = residual + linear(torch.stack(outputs), attn.o_proj)
+        x = rms(residual, layer.post_attention_layernorm.weight)
+        gate, up = linear(x, layer.mlp.gate_up_proj).chunk(2, -1)
+        hidden = linear(act(gate) * up, layer.mlp.down_proj)
+    x = rms(residual + hidden, model.norm.weight)
+    head = model.lm_head.tied_to.weight if model.lm_head.tied_to is not None else model.lm_head.weight
+    return F.linear(x, head.float())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("context_lens", [[37], [5, 240, 30]])
+def test_op_by_op_and_replay_match_plain_pytorch(variant, context_lens):
+    model = small_model(torch.float32, variant)
+    ids, md, kv = decode_step(model, context_lens, torch.float32)
+    expected = reference_logits(model, ids, md, kv)
+    kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
+    torch.testing.assert_close(op_by_op(model, ids, md, kv), expected, rtol=1e-4, atol=1e-4)
+    logits, _ = replay(model, ids, md, kv_replayed, times=1)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+class QKNormGeluLayer(nn.Module):
+    """Not a Llama layer, written in Python only on kvflow ops: separate q/k/v projections, an RMS
+    norm over each head of q and k (Qwen3, OLMo 2, Gemma 3), a GELU MLP without a gate product
+    shared with the up one, no norm after attention but one on the output (sandwich-like)."""
+
+    def __init__(self, hidden, heads, kv_heads, d, rotary, dtype):
+        super().__init__()
+        self.heads, self.kv_heads, self.d = heads, kv_heads, d
+        self.q = Linear(hidden, heads * d, dtype=dtype)
+        self.k = Linear(hidden, kv_heads * d, dtype=dtype)
+        self.v = Linear(hidden, kv_heads * d, dtype=dtype)
+        self.q_norm = RMSNorm(d, 1e-6, dtype=dtype)
+        self.k_norm = RMSNorm(d, 1e-6, dtype=dtype)
+        self.o = Linear(heads * d, hidden, dtype=dtype)
+        self.rotary = rotary
+        self.input_norm = RMSNorm(hidden, 1e-6, dtype=dtype)
+        self.output_norm = RMSNorm(hidden, 1e-6, dtype=dtype)
+        self.gate_up = Linear(hidden, 2 * 128, dtype=dtype)
+        self.down = Linear(128, hidden, dtype=dtype)
+
+    def forward(self, hidden, residual, kv_cache, md):
+        if residual is None:
+            residual, hidden = hidden, self.input_norm(hidden)
+        else:
+            hidden, residual = self.input_norm(hidden, residual)
+        tokens = hidden.shape[0]
+        q = self.q_norm(self.q(hidden).view(tokens, self.heads, self.d)).view(tokens, -1)
+        k = self.k_norm(self.k(hidden).view(tokens, self.kv_heads, self.d)).view(tokens, -1)
+        v = self.v(hidden)
+        torch.ops.kvflow.rotary_embedding(md.positions, q, k, self.d, self.rotary.cos_sin_cache, True)
+        key_cache, value_cache = kv_cache
+        torch.ops.kvflow.reshape_and_cache(k.view(tokens, self.kv_heads, self.d), v.view(tokens, self.kv_heads, self.d),
+                                           key_cache, value_cache, md.slot_mapping)
+        attended = torch.empty((tokens, self.heads, self.d), dtype=q.dtype)
+        torch.ops.kvflow.paged_attention(attended, q.view(tokens, self.heads, self.d), key_cache, value_cache,
+                                         md.block_tables, md.cu_seqlens_q, md.seq_lens, self.d ** -0.5,
+                                         md.max_query_len, md.max_seq_len, -1, 0.0, None)
+        projected = self.o(attended.view(tokens, -1))
+        hidden, residual = self.output_norm(projected, residual)
+        activated = torch.empty((tokens, 128), dtype=hidden.dtype)
+        torch.ops.kvflow.gelu_and_mul(activated, self.gate_up(hidden))
+        return self.down(activated), residual
+
+
+class QKNormGeluModel(nn.Module):
+    def __init__(self, llama: LlamaForCausalLM):
+        super().__init__()
+        config = self.config = llama.config
+        self.embed_tokens, self.norm, self.lm_head = llama.embed_tokens, llama.norm, llama.lm_head
+        rotary = llama.layers[0].self_attn.rotary
+        self.layers = nn.ModuleList(
+            QKNormGeluLayer(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, rotary,
+                            llama.dtype) for _ in range(config.num_layers))
+        with torch.no_grad():
+            for name, p in self.layers.named_parameters():
+                p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
+
+    def forward(self, ids, md, kv):
+        hidden, residual = self.embed_tokens(ids), None
+        for layer, layer_kv in zip(self.layers, kv):
+            hidden, residual = layer(hidden, residual, layer_kv, md)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+
+def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
+    llama = small_model(torch.bfloat16)
+    torch.manual_seed(1)
+    model = QKNormGeluModel(llama)
+    ids, md, kv = decode_step(llama, [37, 3, 130], torch.bfloat16)
+    assert_replay_equals_op_by_op(model, ids, md, kv)
+
+
+def test_a_step_that_computes_outside_kvflow_ops_is_not_captured():
+    model = small_model(torch.float32)
+    ids, md, kv = decode_step(model, [9], torch.float32)
+
+    def step():
+        return model.compute_logits(model(ids, md, kv)) * 2
+
+    result, program, reason = capture(step)
+    assert program is None and "aten.mul" in reason
+    assert result.shape == (1, model.config.vocab_size)
+
+
+def test_the_arena_reuses_the_memory_of_finished_layers():
+    """A program's intermediates share memory once no thread can still read them: its arena does
+    not grow with the number of layers."""
+    def arena_bytes(layers):
+        model = small_model(torch.bfloat16)
+        model.config.num_layers = layers
+        model = LlamaForCausalLM(model.config, torch.bfloat16)
+        ids, md, kv = decode_step(model, [9, 20, 31], torch.bfloat16)
+        programs = CpuDecodePrograms(model, kv, BLOCK, 512)
+        programs.run(ids, md)
+        return programs.programs[3].arena.numel()
+
+    assert arena_bytes(8) == arena_bytes(2)
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (lambda md: md.positions.add_(1000), r"positions\[0\] = 1\d\d\d is outside"),
+    (lambda md: md.slot_mapping.fill_(10 ** 6), r"slot_mapping\[0\] = 1000000 is outside"),
+    (lambda md: md.slot_mapping.fill_(3), "more than once"),
+    (lambda md: md.block_tables.fill_(99), r"block_tables\[0\]\[0\] = 99 is not a block id"),
+    (lambda md: md.seq_lens.fill_(0), r"seq_lens\[0\] = 0 is shorter than its 1 query tokens"),
+])
+def test_a_bad_step_is_refused_before_any_node_writes(spoil, message, threads):
+    """The replay reads the step from its static buffers: spoiled there, every node's check runs
+    before the first node writes, so the caches and the output keep their values, and the next
+    good step replays as before."""
+    model = small_model(torch.bfloat16)
+    ids, md, kv = decode_step(model, [37, 4], torch.bfloat16)
+    programs = CpuDecodePrograms(model, kv, BLOCK, 512)
+    kv_before = [t.clone() for pair in kv for t in pair]
+    programs.run(ids, md)  # captured
+    for t, old in zip((t for pair in kv for t in pair), kv_before):
+        t.copy_(old)
+    good = programs.run(ids, md).clone()  # replayed
+    captured = programs.programs[2]
+    before = [t.clone() for pair in kv for t in pair]
+    output_before = captured.output.clone()
+    _, static = programs.buffers[2]
+    saved = [t.clone() for t in (static.positions, static.slot_mapping, static.block_tables, static.seq_lens)]
+    with torch.inference_mode():  # the buffers are inference tensors
+        spoil(static)
+    with pytest.raises(RuntimeError, match=message):
+        captured.program.run(1, 512)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for pair in kv for t in pair)))
+    assert torch.equal(captured.output, output_before)
+    with torch.inference_mode():
+        for t, s in zip((static.positions, static.slot_mapping, static.block_tables, static.seq_lens), saved):
+            t.copy_(s)
+    for t, old in zip((t for pair in kv for t in pair), kv_before):
+        t.copy_(old)
+    assert torch.equal(programs.run(ids, md), good)
+
+
+def test_an_out_of_range_token_id_is_refused_by_the_embedding():
+    model = small_model(torch.float32)
+    ids, md, kv = decode_step(model, [9], torch.float32)
+    with pytest.raises(RuntimeError, match=r"token_ids\[0\] = 97 is not a token id in \[0, 97\)"):
+        op_by_op(model, torch.tensor([97]), md, kv)
+
+
+def test_the_engine_gives_the_same_tokens_and_logprobs_with_and_without_programs():
+    """Requests of different lengths joining and leaving (batch classes 1 to 5, padded ones),
+    greedy and seeded sampling: the engine's decode steps replay programs, and every token and
+    logprob equals what enforce_eager (every step op by op) gives."""
+    from kvflow import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Once upon a time",
+               "The quick brown fox"]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, logprobs=3, ignore_eos=True) for i in range(3)] + [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=10, logprobs=2, ignore_eos=True)
+        for i in range(2)]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(enforce_eager=eager, kv_cache_memory=1 << 26, max_model_len=256)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        programs = llm.engine.runner.cpu_programs
+        assert (programs is None) == eager
+        if not eager:
+            assert programs.replays > 5 and len(programs.programs) >= 3 and programs.refusals == {}
+        del llm
+    assert results[False] == results[True]
