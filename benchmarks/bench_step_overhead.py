@@ -4,6 +4,9 @@ of ModelRunner.execute around it (metadata, static buffers, the sampler), and th
 work (scheduling, detokenizing, stop checks). Medians over the decode steps of a few requests.
 
     python benchmarks/bench_step_overhead.py [--requests 4] [--tokens 128]
+
+Run with PYTHONPATH=<another checkout>/python to measure another build: one from before the
+executor counts its one-region decode steps (decode_region_stats) instead.
 """
 
 import argparse
@@ -27,7 +30,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([[rng.randrange(100, vocab - 100) for _ in range(128)]], params, use_tqdm=False)  # warm-up
 
-    samples = []  # (step, execute, region) seconds of each decode step that replayed a program
+    region_stats = getattr(_C, "executor_region_stats", None) or getattr(_C, "decode_region_stats")
+    samples = []  # (step, execute, region) seconds of each decode step that ran in one region
     execute_seconds = [0.0]
     run_execute, run_step = runner.execute, engine.step
 
@@ -39,12 +43,13 @@ def main() -> None:
             execute_seconds[0] = time.perf_counter() - start
 
     def timed_step():
-        replays, region_before = runner.cpu_programs.replays, _C.executor_region_stats()[1]
+        regions_before, region_before = region_stats()[:2]
         start = time.perf_counter()
         outputs = run_step()
         step = time.perf_counter() - start
-        if runner.cpu_programs.replays == replays + 1:
-            samples.append((step, execute_seconds[0], _C.executor_region_stats()[1] - region_before))
+        regions, region = region_stats()[:2]
+        if regions == regions_before + 1:
+            samples.append((step, execute_seconds[0], region - region_before))
         return outputs
 
     runner.execute, engine.step = timed_execute, timed_step
@@ -53,7 +58,7 @@ def main() -> None:
 
     step, execute, region = (statistics.median(column) for column in zip(*samples))
     around = statistics.median(s - r for s, _, r in samples)
-    print(f"{len(samples)} decode steps replayed, {_C.cpu_isa()}, medians in ms:")
+    print(f"{len(samples)} decode steps in one region, {_C.cpu_isa()}, medians in ms:")
     print(f"  engine step {1e3 * step:.3f}   ModelRunner.execute {1e3 * execute:.3f}   region {1e3 * region:.3f}")
     print(f"  around the region: in execute {1e3 * (execute - region):.3f}, in the engine step "
           f"{1e3 * (step - execute):.3f}, together {1e3 * around:.3f}")
