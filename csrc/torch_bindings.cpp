@@ -125,10 +125,11 @@ PYBIND11_MODULE(_C, m) {
       "executor_region_stats",
       [] {
         const kvflow::cpu::RegionStats s = kvflow::cpu::executor_region_stats();
-        return py::make_tuple(s.steps, s.wall_seconds, s.thread_seconds, s.wait_thread_seconds);
+        return py::make_tuple(s.steps, s.wall_seconds, s.thread_seconds, s.wait_thread_seconds,
+                              s.prepare_seconds);
       },
-      "(replays, wall seconds, thread-seconds, thread-seconds waiting at barriers) of every CPU program replay "
-      "with two or more threads so far in this process.");
+      "(replays, wall seconds, thread-seconds, thread-seconds waiting at barriers, seconds preparing before the "
+      "region) of every CPU program replay with two or more threads so far in this process.");
 
   // A captured model step on the CPU (cpu/executor.h); kvflow.engine.cpu_programs builds them.
   using kvflow::cpu::CpuProgram;

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.attention_metadata import AttentionMetadata
+from kvflow.attention_metadata import AttentionMetadata, HostMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch_size
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.layers import Linear, RMSNorm
@@ -60,6 +60,12 @@ def decode_step(model, context_lens, dtype, seed=0):
     return ids, md, kv
 
 
+def host_of(md):
+    """The step's metadata as the runner hands it to the programs: host lists."""
+    return HostMetadata(md.positions.tolist(), md.slot_mapping.tolist(), md.block_tables.tolist(),
+                        md.cu_seqlens_q.tolist(), md.seq_lens.tolist(), md.max_query_len, md.max_seq_len)
+
+
 def op_by_op(model, ids, md, kv):
     with torch.inference_mode():
         return model.compute_logits(model(ids, md, kv))
@@ -75,7 +81,7 @@ def replay(model, ids, md, kv, times=2):
         for (k, v), (k0, v0) in zip(kv, saved):
             k.copy_(k0)
             v.copy_(v0)
-        logits = programs.run(ids, md).clone()
+        logits = programs.run(ids.tolist(), host_of(md)).clone()
     assert programs.refusals == {}
     return logits, programs
 
@@ -281,7 +287,7 @@ def test_the_arena_reuses_the_memory_of_finished_layers():
         model = LlamaForCausalLM(model.config, torch.bfloat16)
         ids, md, kv = decode_step(model, [9, 20, 31], torch.bfloat16)
         programs = CpuDecodePrograms(model, kv, BLOCK, 512)
-        programs.run(ids, md)
+        programs.run(ids.tolist(), host_of(md))
         return programs.programs[3].arena.numel()
 
     assert arena_bytes(8) == arena_bytes(2)
@@ -302,14 +308,14 @@ def test_a_bad_step_is_refused_before_any_node_writes(spoil, message, threads):
     ids, md, kv = decode_step(model, [37, 4], torch.bfloat16)
     programs = CpuDecodePrograms(model, kv, BLOCK, 512)
     kv_before = [t.clone() for pair in kv for t in pair]
-    programs.run(ids, md)  # captured
+    programs.run(ids.tolist(), host_of(md))  # captured
     for t, old in zip((t for pair in kv for t in pair), kv_before):
         t.copy_(old)
-    good = programs.run(ids, md).clone()  # replayed
+    good = programs.run(ids.tolist(), host_of(md)).clone()  # replayed
     captured = programs.programs[2]
     before = [t.clone() for pair in kv for t in pair]
     output_before = captured.output.clone()
-    _, static = programs.buffers[2]
+    static = programs.buffers[2].metadata
     saved = [t.clone() for t in (static.positions, static.slot_mapping, static.block_tables, static.seq_lens)]
     with torch.inference_mode():  # the buffers are inference tensors
         spoil(static)
@@ -322,7 +328,7 @@ def test_a_bad_step_is_refused_before_any_node_writes(spoil, message, threads):
             t.copy_(s)
     for t, old in zip((t for pair in kv for t in pair), kv_before):
         t.copy_(old)
-    assert torch.equal(programs.run(ids, md), good)
+    assert torch.equal(programs.run(ids.tolist(), host_of(md)), good)
 
 
 def test_an_out_of_range_token_id_is_refused_by_the_embedding():

@@ -38,12 +38,12 @@ class GatedActivationNode final : public OpNode {
     share_ = RowShare::of(input_, geometry_.in.rows);
   }
 
-  void prepare(StepContext&) override { kernel_ = gated_kernels(active_kernels(), op_)[int(geometry_.dtype)]; }
+  void configure(int64_t) override { kernel_ = gated_kernels(active_kernels(), op_)[int(geometry_.dtype)]; }
 
   int64_t units(int) const override { return share_.units; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range rows = share_.rows(tid, team);
+  void run(int, const Turn& turn) override {
+    const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin < rows.end) {
       kernel_(out_.data_ptr(), geometry_.out.stride, input_.data_ptr(), geometry_.in.stride, geometry_.out.width,
               rows.begin, rows.end);

@@ -191,27 +191,29 @@ class PagedAttentionNode final : public OpNode {
     key_ = {reinterpret_cast<int64_t>(block_tables_.data_ptr()), reinterpret_cast<int64_t>(cu_seqlens_q_.data_ptr()),
             reinterpret_cast<int64_t>(seq_lens_.data_ptr()), g.num_tokens, g.batch, g.num_q_heads, g.num_kv_heads,
             g.head_dim, g.block_size, g.num_blocks, g.max_blocks_per_seq, query_.stride(0),
-            int64_t(g.dtype), sliding_window_, 0, 0, 0};
+            int64_t(g.dtype), sliding_window_};
     std::memcpy(&key_[14], &scale_, sizeof(double));
     std::memcpy(&key_[15], &soft_cap_, sizeof(double));
   }
 
+  bool reads_step() const override { return true; }
+
   void prepare(StepContext& step) override {
-    std::vector<int64_t> key = key_;
-    key.push_back(step.max_query_len);
-    key.push_back(step.max_seq_len);
-    key.push_back(step.threads);
-    auto& shared = step.attention_plans[key];
-    if (shared == nullptr) {
+    StepContext::PlanKey key = key_;
+    key[16] = step.max_query_len;
+    key[17] = step.max_seq_len;
+    key[18] = step.threads;
+    plan_ = step.attention_plan(key);
+    if (plan_ == nullptr) {
       const std::optional<at::Tensor> workspace =
           step.workspace.defined() ? std::optional<at::Tensor>(step.workspace) : std::nullopt;
       auto plan = std::make_shared<PagedAttentionPlan>(plan_paged_attention(
           out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_, scale_,
           step.max_query_len, step.max_seq_len, sliding_window_, soft_cap_, workspace, step.threads));
       if (plan->partials.defined() && !plan->partials.is_same(step.workspace)) step.workspace = plan->partials;
-      shared = std::move(plan);
+      step.attention_plans.emplace_back(key, plan);
+      plan_ = std::move(plan);
     }
-    plan_ = shared;
     args_ = plan_->args;
     args_.out = out_.data_ptr();
     args_.query = query_.data_ptr();
@@ -220,15 +222,17 @@ class PagedAttentionNode final : public OpNode {
     next_item_.store(0, std::memory_order_relaxed);
   }
 
-  int phases() const override { return plan_ != nullptr && plan_->max_splits > 1 ? 2 : 1; }
-
+  // The items, then the merge of split keys, which a step without splits skips.
+  int phases() const override { return 2; }
   int64_t units(int phase) const override { return phase == 0 ? kShared : num_tokens_; }
+  bool phase_may_skip(int phase) const override { return phase == 1; }
+  bool phase_active(int phase) const override { return phase == 0 || plan_->max_splits > 1; }
 
-  void run(int phase, int64_t tid, int64_t team) override {
+  void run(int phase, const Turn& turn) override {
     if (phase == 0) {
       run_attention_items(*plan_, args_, next_item_);
     } else {
-      const Range tokens = share_of(num_tokens_, 1, team, tid);
+      const Range tokens = share_of(num_tokens_, 1, turn.team, turn.tid);
       if (tokens.begin < tokens.end) merge_attention_tokens(*plan_, args_, tokens.begin, tokens.end);
     }
   }
@@ -238,7 +242,7 @@ class PagedAttentionNode final : public OpNode {
   double scale_, soft_cap_;
   int64_t sliding_window_;
   int64_t num_tokens_ = 0;
-  std::vector<int64_t> key_;
+  StepContext::PlanKey key_{};  // the step's lengths and thread count complete it
   std::shared_ptr<const PagedAttentionPlan> plan_;
   PagedAttentionArgs args_{};
   std::atomic<int64_t> next_item_{0};

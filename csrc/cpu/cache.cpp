@@ -41,6 +41,8 @@ class CacheWriteNode final : public OpNode {
     num_slots_ = key_cache_.size(0) * key_cache_.size(1);
   }
 
+  bool reads_step() const override { return true; }
+
   void prepare(StepContext& step) override {
     if (step.first_time({kCheckSlots, reinterpret_cast<int64_t>(plan_.slots), plan_.num_tokens, num_slots_})) {
       check_slots(plan_.slots, plan_.num_tokens, num_slots_);
@@ -49,8 +51,8 @@ class CacheWriteNode final : public OpNode {
 
   int64_t units(int) const override { return plan_.num_tokens; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range tokens = share_of(plan_.num_tokens, 1, team, tid);
+  void run(int, const Turn& turn) override {
+    const Range tokens = share_of(plan_.num_tokens, 1, turn.team, turn.tid);
     write_cache_tokens(plan_, key_cache_.data_ptr(), value_cache_.data_ptr(), tokens.begin, tokens.end);
   }
 

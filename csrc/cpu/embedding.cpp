@@ -33,14 +33,16 @@ class EmbeddingNode final : public OpNode {
     geometry_ = check_embedding_args(out_, token_ids_, weight_);
   }
 
+  bool reads_step() const override { return true; }
+
   void prepare(StepContext&) override {
     check_token_ids(token_ids_.data_ptr<int64_t>(), geometry_.num_tokens, geometry_.vocab_size);
   }
 
   int64_t units(int) const override { return geometry_.num_tokens; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range tokens = share_of(geometry_.num_tokens, 1, team, tid);
+  void run(int, const Turn& turn) override {
+    const Range tokens = share_of(geometry_.num_tokens, 1, turn.team, turn.tid);
     copy_rows(out_.data_ptr(), token_ids_.data_ptr<int64_t>(), weight_.data_ptr(), geometry_.row_bytes, tokens.begin,
               tokens.end);
   }

@@ -13,6 +13,7 @@
 #include <omp.h>
 #endif
 
+#include "kvflow/cpu/kernel_table.h"
 #include "kvflow/cpu/spin_barrier.h"
 
 namespace kvflow::cpu {
@@ -21,7 +22,7 @@ namespace {
 // What a thread asks for while it waits at a barrier: the first cell of its next product.
 constexpr int64_t kAheadBytes = 32 << 10;
 
-std::atomic<int64_t> region_steps{0}, region_wall_ns{0}, region_thread_ns{0}, region_wait_ns{0};
+std::atomic<int64_t> region_steps{0}, region_wall_ns{0}, region_thread_ns{0}, region_wait_ns{0}, prepare_ns{0};
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -47,13 +48,6 @@ const std::unordered_map<std::string, NodeFactory>& node_factories() {
   };
   return factories;
 }
-
-// One phase of one node in the region, and whether the threads meet before it.
-struct Entry {
-  OpNode* node;
-  int phase;
-  bool barrier_before;
-};
 
 }  // namespace
 
@@ -89,45 +83,63 @@ bool CpuProgram::starts_shared(size_t i) const {
   return nodes_[i]->starts_shared();
 }
 
+void CpuProgram::configure(const void* kernels, int64_t threads) {
+  step_nodes_.clear();
+  schedule_.clear();
+  for (auto& node : nodes_) {
+    node->configure(threads);
+    if (node->reads_step()) step_nodes_.push_back(node.get());
+    for (int phase = 0; phase < node->phases(); ++phase) {
+      schedule_.push_back({node.get(), phase, node->units(phase), node->phase_may_skip(phase)});
+    }
+  }
+  configured_kernels_ = kernels;
+  configured_threads_ = threads;
+}
+
 void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
+  const int64_t start = now_ns();
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const void* kernels = &active_kernels();
+  if (kernels != configured_kernels_ || threads != configured_threads_) configure(kernels, threads);
   StepContext step;
-  step.threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  step.threads = threads;
   step.max_query_len = max_query_len;
   step.max_seq_len = max_seq_len;
   step.workspace = workspace_;
-  for (auto& node : nodes_) node->prepare(step);
+  for (OpNode* node : step_nodes_) node->prepare(step);
   workspace_ = step.workspace;
+  const uint64_t round = uint64_t(++replays_);
 
-  std::vector<Entry> schedule;
-  schedule.reserve(nodes_.size() * 2);
-  int64_t previous = kShared;
-  for (auto& node : nodes_) {
-    for (int phase = 0; phase < node->phases(); ++phase) {
-      const int64_t units = node->units(phase);
-      const bool follows_same_rows = previous != kShared && units == previous;
-      schedule.push_back({node.get(), phase, !schedule.empty() && !follows_same_rows});
-      previous = units;
+  // Every thread walks the same schedule and makes the same decisions: a barrier before a phase
+  // unless it and the phase before it are row-local over the same units.
+  auto walk = [&](int64_t tid, int64_t team, SpinBarrier* barrier, int64_t& waited) {
+    const Turn turn{tid, team, round};
+    int64_t previous = kShared;
+    bool first = true;
+    for (const Entry& entry : schedule_) {
+      if (entry.may_skip && !entry.node->phase_active(entry.phase)) continue;
+      const bool follows_same_rows = previous != kShared && entry.units == previous;
+      if (barrier != nullptr && !first && !follows_same_rows) {
+        const int64_t wait_start = now_ns();
+        barrier->wait(team, entry.node->first_read(entry.phase, tid), kAheadBytes);
+        waited += now_ns() - wait_start;
+      }
+      entry.node->run(entry.phase, turn);
+      previous = entry.units;
+      first = false;
     }
-  }
-  ++replays_;
-  const int64_t threads = step.threads;
+  };
 #ifdef _OPENMP
   if (threads > 1) {
     SpinBarrier barrier;
     const int64_t region_start = now_ns();
+    prepare_ns.fetch_add(region_start - start, std::memory_order_relaxed);
 #pragma omp parallel num_threads(threads)
     {
-      const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
       const int64_t thread_start = now_ns();
       int64_t waited = 0;
-      for (const Entry& entry : schedule) {
-        if (entry.barrier_before) {
-          const int64_t start = now_ns();
-          barrier.wait(team, entry.node->first_read(entry.phase, tid), kAheadBytes);
-          waited += now_ns() - start;
-        }
-        entry.node->run(entry.phase, tid, team);
-      }
+      walk(omp_get_thread_num(), omp_get_num_threads(), &barrier, waited);
       region_wait_ns.fetch_add(waited, std::memory_order_relaxed);
       region_thread_ns.fetch_add(now_ns() - thread_start, std::memory_order_relaxed);
     }
@@ -136,13 +148,14 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
     return;
   }
 #endif
-  for (const Entry& entry : schedule) entry.node->run(entry.phase, 0, 1);
+  int64_t unused = 0;
+  walk(0, 1, nullptr, unused);
 }
 
 RegionStats executor_region_stats() {
   return {region_steps.load(std::memory_order_relaxed), region_wall_ns.load(std::memory_order_relaxed) * 1e-9,
-          region_thread_ns.load(std::memory_order_relaxed) * 1e-9,
-          region_wait_ns.load(std::memory_order_relaxed) * 1e-9};
+          region_thread_ns.load(std::memory_order_relaxed) * 1e-9, region_wait_ns.load(std::memory_order_relaxed) * 1e-9,
+          prepare_ns.load(std::memory_order_relaxed) * 1e-9};
 }
 
 }  // namespace kvflow::cpu

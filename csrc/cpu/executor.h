@@ -24,21 +24,39 @@ class CpuProgram {
   // Whether a barrier always precedes node i (see OpNode::starts_shared).
   bool starts_shared(size_t i) const;
 
-  // One replay: every node prepares (reads and checks this step's metadata; throws before any
-  // node writes), then all run in one parallel region of at::get_num_threads() threads.
+  // One replay: every node that reads the step prepares (reads and checks this step's metadata;
+  // throws before any node writes), then all run in one parallel region of
+  // at::get_num_threads() threads.
   void run(int64_t max_query_len, int64_t max_seq_len);
 
   int64_t replays() const { return replays_; }
 
  private:
+  // One phase of one node in the region.
+  struct Entry {
+    OpNode* node;
+    int phase;
+    int64_t units;
+    bool may_skip;
+  };
+
+  void configure(const void* kernels, int64_t threads);
+
   std::vector<std::unique_ptr<OpNode>> nodes_;
+  // Set by configure: the kernels and thread count the nodes are configured for, the nodes that
+  // read the step, and every phase in order.
+  const void* configured_kernels_ = nullptr;
+  int64_t configured_threads_ = 0;
+  std::vector<OpNode*> step_nodes_;
+  std::vector<Entry> schedule_;
   at::Tensor workspace_;
   int64_t replays_ = 0;
 };
 
 // What the replays cost so far, summed over every replay with two or more threads since the
-// process started: how many, their wall time, and the time their threads spent waiting at the
-// barriers between nodes (thread-seconds, summed over the threads). Waits are a few percent of
+// process started: how many, their wall time, the time their threads spent waiting at the
+// barriers between nodes (thread-seconds, summed over the threads), and the time before the
+// region (every node's prepare, the schedule). Waits are a few percent of
 // the threads' time when they have the cores to themselves; far more when another process
 // takes one of them.
 struct RegionStats {
@@ -46,6 +64,7 @@ struct RegionStats {
   double wall_seconds;
   double thread_seconds;
   double wait_thread_seconds;
+  double prepare_seconds;
 };
 RegionStats executor_region_stats();
 

@@ -43,7 +43,7 @@ SmallLinearGeometry check_small_linear(const at::Tensor& out, const at::Tensor& 
   return {dtype, out_is_float32, rows, in_features, out_features};
 }
 
-// The product's cells stay from step to step (reset before each); all threads take part.
+// The product's cells stay from step to step, a round a step; all threads take part.
 class SmallLinearNode final : public OpNode {
  public:
   explicit SmallLinearNode(const NodeArgs& args)
@@ -53,27 +53,29 @@ class SmallLinearNode final : public OpNode {
                 input_.strides());
   }
 
-  void prepare(StepContext& step) override {
+  void configure(int64_t threads) override {
     kernel_ = active_kernels().small_linear[int(geometry_.dtype)];
-    if (cells_ == nullptr || cells_->parts() != step.threads) {
+    if (cells_ == nullptr || cells_->parts() != threads) {
       cells_ = std::make_unique<ProductCells>(weight_.data_ptr(), geometry_.out_features,
-                                              geometry_.in_features * weight_.element_size(), step.threads);
-    } else {
-      cells_->reset();
+                                              geometry_.in_features * weight_.element_size(), threads);
     }
   }
 
   int64_t units(int) const override { return kShared; }
 
-  void run(int, int64_t tid, int64_t) override {
+  void run(int, const Turn& turn) override {
     if (geometry_.rows == 0) return;
     void* out = out_.data_ptr();
     const void* x = input_.data_ptr();
     const void* bias = bias_.has_value() ? bias_->data_ptr() : nullptr;
     const SmallLinearGeometry& g = geometry_;
-    cells_->run(tid, [&](int64_t begin, int64_t end) {
-      kernel_(out, g.out_is_float32, x, cells_->weight(), bias, g.rows, g.in_features, g.out_features, begin, end);
-    });
+    cells_->run(
+        turn.tid,
+        [&](int64_t begin, int64_t end) {
+          kernel_(out, g.out_is_float32, x, cells_->weight(), bias, g.rows, g.in_features, g.out_features, begin,
+                  end);
+        },
+        turn.round);
   }
 
   const char* first_read(int, int64_t tid) const override {

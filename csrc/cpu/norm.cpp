@@ -28,7 +28,7 @@ class NormNode final : public OpNode {
     share_ = RowShare::of(x_, geometry_.x.rows);
   }
 
-  void prepare(StepContext&) override {
+  void configure(int64_t) override {
     const KernelTable& kernels = active_kernels();
     rms_norm_ = kernels.rms_norm[int(geometry_.dtype)];
     fused_add_ = kernels.fused_add_rms_norm[int(geometry_.dtype)];
@@ -36,8 +36,8 @@ class NormNode final : public OpNode {
 
   int64_t units(int) const override { return share_.units; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range rows = share_.rows(tid, team);
+  void run(int, const Turn& turn) override {
+    const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin >= rows.end) return;
     const int64_t width = geometry_.x.width;
     if (fused_) {

@@ -6,11 +6,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -24,15 +24,30 @@ struct PagedAttentionPlan;
 // checks already made of the step's metadata (every layer reads the same positions and slots),
 // the attention work lists (every layer of a step splits the same requests alike), and scratch.
 struct StepContext {
+  using CheckKey = std::array<int64_t, 4>;
+  using PlanKey = std::array<int64_t, 20>;
+
   int64_t threads = 1;
   int64_t max_query_len = 0;
   int64_t max_seq_len = 0;
-  std::set<std::vector<int64_t>> checked;
-  std::map<std::vector<int64_t>, std::shared_ptr<const PagedAttentionPlan>> attention_plans;
+  std::vector<CheckKey> checked;  // a handful a step: a flat list beats a set
+  std::vector<std::pair<PlanKey, std::shared_ptr<const PagedAttentionPlan>>> attention_plans;
   at::Tensor workspace;  // float32, grown as the attention nodes need (split-key partials)
 
   // True the first time a check of this key is asked for in the step: the caller makes it.
-  bool first_time(std::vector<int64_t> key) { return checked.insert(std::move(key)).second; }
+  bool first_time(const CheckKey& key) {
+    if (std::find(checked.begin(), checked.end(), key) != checked.end()) return false;
+    checked.push_back(key);
+    return true;
+  }
+
+  // The attention plan made this step under this key, or null.
+  std::shared_ptr<const PagedAttentionPlan> attention_plan(const PlanKey& key) const {
+    for (const auto& [k, plan] : attention_plans) {
+      if (k == key) return plan;
+    }
+    return nullptr;
+  }
 };
 
 // How a phase shares its work among the region's threads.
@@ -42,17 +57,40 @@ struct StepContext {
 // row-local phases over the same units follow each other without a barrier.
 constexpr int64_t kShared = -1;
 
+// One thread's turn at a phase: its id, the team, and the replay's round (product_cells.h).
+struct Turn {
+  int64_t tid;
+  int64_t team;
+  uint64_t round;
+};
+
 class OpNode {
  public:
   virtual ~OpNode() = default;
+  // Before the first replay, and again whenever the kernels' instruction set or the thread count
+  // has changed since the last: kernel pointers, per-thread state.
+  virtual void configure(int64_t threads) { (void)threads; }
+  // Whether prepare must run before every replay: the node reads the step's data (positions,
+  // slots, lengths, token ids). Nodes that do not are not touched before the region.
+  virtual bool reads_step() const { return false; }
   // Before the region, every replay: reads and checks what changes from step to step, splits
   // the work for step.threads. May throw: no node has written anything yet.
   virtual void prepare(StepContext& step) { (void)step; }
-  // How many phases this step (after prepare), and how each shares its work.
+  // The most phases a step may have, and how each shares its work (fixed at capture).
   virtual int phases() const { return 1; }
   virtual int64_t units(int phase) const = 0;
-  // Thread tid's share of a phase, inside the region: must not throw.
-  virtual void run(int phase, int64_t tid, int64_t team) = 0;
+  // Whether a phase may have nothing to do in some steps; if so, phase_active (after prepare)
+  // says whether it runs in this one.
+  virtual bool phase_may_skip(int phase) const {
+    (void)phase;
+    return false;
+  }
+  virtual bool phase_active(int phase) const {
+    (void)phase;
+    return true;
+  }
+  // One thread's share of a phase, inside the region: must not throw.
+  virtual void run(int phase, const Turn& turn) = 0;
   // What thread tid reads first in a phase (asked for while it waits at the barrier before), or null.
   virtual const char* first_read(int phase, int64_t tid) const {
     (void)phase;

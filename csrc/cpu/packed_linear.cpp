@@ -127,15 +127,15 @@ class PackedProductNode final : public OpNode {
     }
   }
 
-  void prepare(StepContext& step) override {
+  void configure(int64_t threads) override {
     kernel_ = active_kernels().packed_linear;
-    threads_ = step.threads;
+    threads_ = threads;
   }
 
   int64_t units(int) const override { return kShared; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range panels = share(tid, team);
+  void run(int, const Turn& turn) override {
+    const Range panels = share(turn.tid, turn.team);
     if (panels.begin >= panels.end) return;
     kernel_(out_.data_ptr(), out_.stride(0), out_.scalar_type() == at::kFloat, silu_and_mul_,
             reinterpret_cast<const bfloat16*>(input_.data_ptr()), input_.stride(0),

@@ -33,18 +33,23 @@ class RotaryNode final : public OpNode {
     plan_ = plan_rotary_embedding(positions_, query_, key_, head_size_, cos_sin_cache_, is_neox_, false);
   }
 
+  void configure(int64_t) override {
+    plan_.kernel = active_kernels().rotary_embedding[int(geometry_.dtype)][geometry_.cache_is_float32 ? 0 : 1];
+  }
+
+  bool reads_step() const override { return true; }
+
   void prepare(StepContext& step) override {
     if (step.first_time({kCheckPositions, reinterpret_cast<int64_t>(plan_.args.positions), geometry_.num_tokens,
                          geometry_.max_position})) {
       check_positions(plan_.args.positions, geometry_.num_tokens, geometry_.max_position);
     }
-    plan_.kernel = active_kernels().rotary_embedding[int(geometry_.dtype)][geometry_.cache_is_float32 ? 0 : 1];
   }
 
   int64_t units(int) const override { return geometry_.num_tokens; }
 
-  void run(int, int64_t tid, int64_t team) override {
-    const Range tokens = share_of(geometry_.num_tokens, 1, team, tid);
+  void run(int, const Turn& turn) override {
+    const Range tokens = share_of(geometry_.num_tokens, 1, turn.team, turn.tid);
     if (tokens.begin < tokens.end) plan_.kernel(plan_.args, tokens.begin, tokens.end);
   }
 

@@ -22,16 +22,19 @@ struct Taken {
 };
 
 // Runs the cells with `running` threads (ids 0..running-1) of a product cut for `parts`.
-std::vector<Taken> run_threads(ProductCells& cells, int64_t running) {
+std::vector<Taken> run_threads(ProductCells& cells, int64_t running, uint64_t round = 0) {
   std::mutex lock;
   std::vector<Taken> taken;
   std::vector<std::thread> threads;
   for (int64_t tid = 0; tid < running; ++tid) {
     threads.emplace_back([&, tid] {
-      cells.run(tid, [&](int64_t begin, int64_t end) {
-        std::lock_guard<std::mutex> guard(lock);
-        taken.push_back({begin, end, tid});
-      });
+      cells.run(
+          tid,
+          [&](int64_t begin, int64_t end) {
+            std::lock_guard<std::mutex> guard(lock);
+            taken.push_back({begin, end, tid});
+          },
+          round);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -92,4 +95,15 @@ KVFLOW_TEST(product_cells_finish_parts_of_threads_that_never_run) {
   // Four parts, two threads running: the missing threads' parts are taken from the back.
   ProductCells cells(nullptr, 3072, 1152, 4);
   check_each_feature_once(run_threads(cells, 2), 3072);
+}
+
+KVFLOW_TEST(product_cells_serve_round_after_round_without_a_reset) {
+  // The executor runs one round a replay on the same cells: each round covers every feature once,
+  // whatever the threads left of the round before, across the wrap of the round counter too.
+  ProductCells cells(nullptr, 3072, 1152, 2);
+  for (uint64_t round : {uint64_t(1), uint64_t(2), uint64_t(3), ProductCells::kRounds - 1, ProductCells::kRounds,
+                         ProductCells::kRounds + 1}) {
+    check_each_feature_once(run_threads(cells, round % 2 ? 2 : 1, round), 3072);
+  }
+  KVFLOW_CHECK(run_threads(cells, 2, ProductCells::kRounds + 1).empty());  // the same round again: nothing left
 }

@@ -45,9 +45,36 @@ class AttentionMetadata:
         num_blocks: int | None = None,
     ) -> "AttentionMetadata":
         """From per-request new-token counts, context lengths (new tokens included) and block
-        tables. Raises ValueError for inconsistent input, before anything reaches a device: the
-        CUDA kernels trust these indices. With num_blocks, every block id a context uses must be
-        in [0, num_blocks)."""
+        tables (see HostMetadata.of, which checks them), as tensors on `device`."""
+        return HostMetadata.of(query_lens, seq_lens, block_tables, block_size, num_blocks).to_tensors(device,
+                                                                                                   workspace)
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """The step's metadata as host lists, checked: what AttentionMetadata holds as tensors."""
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]  # padded with 0 to the longest
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def table_width(self) -> int:
+        return len(self.block_tables[0]) if self.block_tables else 0
+
+    @classmethod
+    def of(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+           num_blocks: int | None = None) -> "HostMetadata":
+        """Raises ValueError for inconsistent input, before anything reaches a device: the CUDA
+        kernels trust these indices. With num_blocks, every block id a context uses must be in
+        [0, num_blocks)."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError(
                 f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
@@ -69,21 +96,25 @@ class AttentionMetadata:
                 positions.append(pos)
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         max_blocks = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        padded = [t + [0] * (max_blocks - len(t)) if len(t) < max_blocks else t for t in block_tables]
         cu = [0]
         for q_len in query_lens:
             cu.append(cu[-1] + q_len)
+        return cls(positions, slots, padded, cu, list(seq_lens), max(query_lens, default=0),
+                   max(seq_lens, default=0))
 
+    def to_tensors(self, device: torch.device | str = "cpu",
+                   workspace: torch.Tensor | None = None) -> AttentionMetadata:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        return cls(
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded, torch.int32).reshape(len(block_tables), max_blocks),
-            cu_seqlens_q=tensor(cu, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
+        return AttentionMetadata(
+            positions=tensor(self.positions, torch.int64),
+            slot_mapping=tensor(self.slot_mapping, torch.int64),
+            block_tables=tensor(self.block_tables, torch.int32).reshape(self.batch, self.table_width),
+            cu_seqlens_q=tensor(self.cu_seqlens_q, torch.int32),
+            seq_lens=tensor(self.seq_lens, torch.int32),
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
             workspace=workspace,
         )

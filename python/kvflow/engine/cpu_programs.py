@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvflow import _C
-from kvflow.attention_metadata import AttentionMetadata
+from kvflow.attention_metadata import AttentionMetadata, HostMetadata
 
 aten = torch.ops.aten
 
@@ -188,26 +188,19 @@ class CpuDecodePrograms:
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.programs: dict[int, CapturedStep | None] = {}
         self.refusals: dict[int, str] = {}
-        self.buffers: dict[int, tuple[torch.Tensor, AttentionMetadata]] = {}
+        self.buffers: dict[int, _StaticInputs] = {}
 
-    def can_run(self, metadata: AttentionMetadata) -> bool:
+    def can_run(self, metadata: HostMetadata) -> bool:
         """Decode only (one new token per request), contexts within the bound, and a class that
         has a program or has not been tried."""
-        batch = metadata.seq_lens.shape[0]
-        return (0 < batch and metadata.num_tokens == batch and metadata.max_query_len == 1
-                and metadata.max_seq_len <= self.max_seq_len
-                and metadata.block_tables.shape[1] <= self.max_blocks_per_seq
+        batch = metadata.batch
+        return (0 < batch and len(metadata.positions) == batch and metadata.max_query_len == 1
+                and metadata.max_seq_len <= self.max_seq_len and metadata.table_width <= self.max_blocks_per_seq
                 and self.programs.get(program_batch_size(batch), True) is not None)
 
-    def _static_inputs(self, rows: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _static_inputs(self, rows: int) -> "_StaticInputs":
         if rows not in self.buffers:
-            self.buffers[rows] = (torch.zeros(rows, dtype=torch.int64), AttentionMetadata(
-                positions=torch.zeros(rows, dtype=torch.int64),
-                slot_mapping=torch.full((rows,), -1, dtype=torch.int64),
-                block_tables=torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32),
-                cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
-                seq_lens=torch.ones(rows, dtype=torch.int32),
-                max_query_len=1, max_seq_len=self.max_seq_len))
+            self.buffers[rows] = _StaticInputs(rows, self.max_blocks_per_seq, self.max_seq_len)
         return self.buffers[rows]
 
     @torch.inference_mode()
@@ -215,47 +208,68 @@ class CpuDecodePrograms:
         """Captures class `rows` from a step of padding rows only, which writes no cache slot
         (before any request arrives: the first capture also pays torch's one-time import of its
         dispatch machinery, over a second). Returns whether the class has a program."""
-        ids, static = self._static_inputs(rows)
-        ids.zero_()
-        static.positions.zero_()
-        static.slot_mapping.fill_(-1)
-        static.seq_lens.fill_(1)
-        model = self.model
-        _, captured, refusal = capture(lambda: model.compute_logits(model(ids, static, self.kv_caches)))
+        static = self._static_inputs(rows)
+        static.fill([], HostMetadata([], [], [], [0], [], 1, 1))
+        self._capture(rows, static)
+        return self.programs[rows] is not None
+
+    def _capture(self, rows: int, static: "_StaticInputs") -> torch.Tensor:
+        model, kv_caches = self.model, self.kv_caches
+        logits, captured, refusal = capture(
+            lambda: model.compute_logits(model(static.token_ids, static.metadata, kv_caches)))
         self.programs[rows] = captured
         if captured is None:
             self.refusals[rows] = refusal
-        return captured is not None
+        return logits
 
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids [n] and the step's metadata (checked by can_run) -> float32 logits
+    def run(self, token_ids: list[int], metadata: HostMetadata) -> torch.Tensor:
+        """A decode step's token ids and metadata (checked by can_run) -> float32 logits
         [n, vocab_size]: a view of the program's output, valid until its next run."""
-        n = input_ids.shape[0]
+        n = len(token_ids)
         rows = program_batch_size(n)
-        ids, static = self._static_inputs(rows)
-        width = metadata.block_tables.shape[1]
-        ids[:n].copy_(input_ids)
-        static.positions[:n].copy_(metadata.positions)
-        static.slot_mapping[:n].copy_(metadata.slot_mapping)
-        static.seq_lens[:n].copy_(metadata.seq_lens)
-        static.block_tables[:n, :width].copy_(metadata.block_tables)
-        if rows > n:  # padding rows write nothing and attend over one cached token
-            ids[n:].zero_()
-            static.positions[n:].zero_()
-            static.slot_mapping[n:].fill_(-1)
-            static.seq_lens[n:].fill_(1)
+        static = self._static_inputs(rows)
+        static.fill(token_ids, metadata)
         captured = self.programs.get(rows)
         if captured is None:
-            model = self.model
-            logits, captured, refusal = capture(lambda: model.compute_logits(model(ids, static, self.kv_caches)))
-            self.programs[rows] = captured
-            if captured is None:
-                self.refusals[rows] = refusal
-            return logits[:n]
+            with torch.inference_mode():
+                return self._capture(rows, static)[:n]
         captured.program.run(1, metadata.max_seq_len)
-        return captured.output[:n]
+        return captured.output if n == rows else captured.output[:n]
 
     @property
     def replays(self) -> int:
         return sum(c.program.replays for c in self.programs.values() if c is not None)
+
+
+class _StaticInputs:
+    """A class's input buffers, which its program reads: a step writes its first n rows through
+    numpy views of them (no tensor is built per step); the padding rows after them write no cache
+    slot (-1) and attend over one cached token."""
+
+    def __init__(self, rows: int, max_blocks_per_seq: int, max_seq_len: int):
+        self.rows = rows
+        self.token_ids = torch.zeros(rows, dtype=torch.int64)
+        self.metadata = AttentionMetadata(
+            positions=torch.zeros(rows, dtype=torch.int64),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64),
+            block_tables=torch.zeros((rows, max_blocks_per_seq), dtype=torch.int32),
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+            seq_lens=torch.ones(rows, dtype=torch.int32),
+            max_query_len=1, max_seq_len=max_seq_len)
+        m = self.metadata
+        self._ids, self._positions, self._slots = self.token_ids.numpy(), m.positions.numpy(), m.slot_mapping.numpy()
+        self._tables, self._seq_lens = m.block_tables.numpy(), m.seq_lens.numpy()
+
+    def fill(self, token_ids: list[int], metadata: HostMetadata) -> None:
+        n = len(token_ids)
+        self._ids[:n] = token_ids
+        self._positions[:n] = metadata.positions
+        self._slots[:n] = metadata.slot_mapping
+        self._seq_lens[:n] = metadata.seq_lens
+        if n:
+            self._tables[:n, :metadata.table_width] = metadata.block_tables
+        if n < self.rows:
+            self._ids[n:] = 0
+            self._positions[n:] = 0
+            self._slots[n:] = -1
+            self._seq_lens[n:] = 1

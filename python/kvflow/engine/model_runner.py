@@ -3,9 +3,10 @@ over all of them as one flattened batch, and samples the requests that are due a
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from kvflow.attention_metadata import AttentionMetadata
+from kvflow.attention_metadata import HostMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms
 from kvflow.engine.cuda_graphs import DecodeCudaGraphs
 from kvflow.engine.kv_cache import allocate_kv_caches
@@ -51,6 +52,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, model.dtype, self.device)
         self.decode_graphs: DecodeCudaGraphs | None = None
         self.cpu_programs: CpuDecodePrograms | None = None
+        self._last_sampling_rows: tuple | None = None
         if self.device.type == "cpu" and cpu_programs:
             self.cpu_programs = CpuDecodePrograms(model, self.kv_caches, block_size, config.max_position_embeddings)
 
@@ -80,18 +82,18 @@ class ModelRunner:
                 raise ValueError(f"a request of {r.seq_len} tokens exceeds the model's context of "
                                  f"{self.config.max_position_embeddings}")
         graphs = self.decode_graphs
-        # With CUDA graphs the metadata stays on the host until it is known whether it is copied
-        # into the graphs' static buffers or uploaded for an eager step.
-        metadata = AttentionMetadata.build(
-            [len(r.token_ids) for r in requests], [r.seq_len for r in requests], [r.block_table for r in requests],
-            self.block_size, self.device if graphs is None else "cpu", num_blocks=self.num_blocks)
-        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
+        host = HostMetadata.of([len(r.token_ids) for r in requests], [r.seq_len for r in requests],
+                               [r.block_table for r in requests], self.block_size, self.num_blocks)
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
         results: list[SampledToken | None] = [None] * len(requests)
         programs = self.cpu_programs
-        if programs is not None and len(due) == len(requests) and programs.can_run(metadata):
-            logits = programs.run(input_ids, metadata)
+        if programs is not None and len(due) == len(requests) and programs.can_run(host):
+            logits = programs.run([r.token_ids[0] for r in requests], host)
         else:
+            # With CUDA graphs the metadata stays on the host until it is known whether it is
+            # copied into the graphs' static buffers or uploaded for an eager step.
+            metadata = host.to_tensors(self.device if graphs is None else "cpu")
+            input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
             if graphs is not None and graphs.can_run(metadata):
                 hidden = graphs.run(input_ids, metadata)
             else:
@@ -117,15 +119,9 @@ class ModelRunner:
         raw_logits = logits.clone() if any(p.logprobs is not None for p in params) else logits
         if any(p.has_penalties for p in params):
             self._apply_penalties(logits, requests)
-        token_ids = sample(
-            logits,
-            self._tensor([p.temperature for p in params], torch.float32),
-            self._tensor([p.top_k for p in params], torch.int32),
-            self._tensor([p.top_p for p in params], torch.float32),
-            self._tensor([p.min_p for p in params], torch.float32),
-            self._tensor([r.seed for r in requests], torch.int64),
-            self._tensor([len(r.output_token_ids) for r in requests], torch.int64),
-        )
+        offsets = torch.from_numpy(np.array([len(r.output_token_ids) for r in requests], dtype=np.int64))
+        token_ids = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
+                           offsets if self.device.type == "cpu" else offsets.to(self.device))
         tokens = token_ids.tolist()
         results = [SampledToken(t) for t in tokens]
         if raw_logits is not logits:
@@ -155,6 +151,22 @@ class ModelRunner:
         apply_penalties(logits, prompt, prompt_offsets, output, output_offsets, column("repetition_penalty"),
                         column("frequency_penalty"), column("presence_penalty"))
 
+    def _sampling_rows(self, params: list[SamplingParams], seeds: list[int]) -> tuple[torch.Tensor, ...]:
+        """temperature, top_k, top_p, min_p and seeds as tensors; the last step's again while the
+        same requests decode (it keeps their SamplingParams alive, so their ids stay theirs)."""
+        key = ([id(p) for p in params], seeds)
+        cached = self._last_sampling_rows
+        if cached is not None and cached[0] == key:
+            return cached[2]
+        rows = (self._tensor([p.temperature for p in params], torch.float32),
+                self._tensor([p.top_k for p in params], torch.int32),
+                self._tensor([p.top_p for p in params], torch.float32),
+                self._tensor([p.min_p for p in params], torch.float32),
+                self._tensor(seeds, torch.int64))
+        self._last_sampling_rows = (key, params, rows)
+        return rows
+
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor on the runner's device."""
-        return torch.tensor(values, dtype=dtype).to(self.device)
+        t = torch.tensor(values, dtype=dtype)
+        return t if self.device.type == "cpu" else t.to(self.device)

@@ -1,12 +1,13 @@
 // How the threads share a few-row product (small_linear): the output features cut into one part
 // per thread, each part a row of cells; a thread takes its own part's cells front to back and
 // then the others' from the back. Used by the small_linear op and by the executor's small_linear
-// nodes, which keep theirs from step to step (reset between steps).
+// nodes, which keep theirs from step to step, one round a step.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 namespace kvflow::cpu {
@@ -35,6 +36,9 @@ class ProductCells {
  public:
   // A part holds at least this many output features: a small product gets fewer non-empty parts.
   static constexpr int64_t kGrain = 64;
+  // Rounds are numbered modulo this; a part holds at most kMaxCells cells.
+  static constexpr uint64_t kRounds = uint64_t(1) << 20;
+  static constexpr uint64_t kMaxCells = uint64_t(1) << 22;
 
   ProductCells(const void* weight, int64_t out_features, int64_t row_bytes, int64_t parts)
       : weight_(static_cast<const char*>(weight)),
@@ -43,20 +47,16 @@ class ProductCells {
         parts_(parts),
         cells_(parts) {
     cell_ = std::max<int64_t>(4, kCellBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
-    for (int64_t p = 0; p < parts; ++p) cells_[p].range = share_of(out_features, kGrain, parts, p);
-    reset();
-  }
-
-  int64_t parts() const { return parts_; }
-
-  // Every cell left again, for the next product over the same weights (no thread may be running).
-  void reset() {
-    for (Part& part : cells_) {
-      const uint64_t count = uint64_t((part.range.end - part.range.begin + cell_ - 1) / cell_);
-      part.front_back.store(count, std::memory_order_relaxed);  // front 0, back count
+    for (int64_t p = 0; p < parts; ++p) {
+      Part& part = cells_[p];
+      part.range = share_of(out_features, kGrain, parts, p);
+      part.count = uint64_t((part.range.end - part.range.begin + cell_ - 1) / cell_);
+      if (part.count >= kMaxCells) throw std::length_error("ProductCells: too many cells in one part");
+      part.state.store(pack(0, 0, part.count), std::memory_order_relaxed);  // round 0: every cell left
     }
   }
 
+  int64_t parts() const { return parts_; }
   const void* weight() const { return weight_; }
   int64_t out_features() const { return out_features_; }
 
@@ -66,15 +66,19 @@ class ProductCells {
   }
 
   // Runs fn(begin, end) over cells until none is left: first thread `tid`'s own, then others'.
+  // Each product over the same weights is a new round (round 0, then 1, 2, ... modulo kRounds):
+  // a part last touched in another round has every cell left, so nothing is reset between
+  // rounds, and no thread touches a part before the round's product runs.
   template <class Fn>
-  void run(int64_t tid, const Fn& fn) {
+  void run(int64_t tid, const Fn& fn, uint64_t round = 0) {
+    round %= kRounds;
     if (tid < parts_) {
-      while (take(cells_[tid], /*from_front=*/true, fn)) {
+      while (take(cells_[tid], round, /*from_front=*/true, fn)) {
       }
     }
     for (int64_t k = 1; k <= parts_; ++k) {
       Part& victim = cells_[(tid + k) % parts_];
-      while (take(victim, /*from_front=*/false, fn)) {
+      while (take(victim, round, /*from_front=*/false, fn)) {
       }
     }
   }
@@ -83,20 +87,24 @@ class ProductCells {
   static constexpr int64_t kCellBytes = 32 << 10;
 
   struct alignas(64) Part {
-    std::atomic<uint64_t> front_back{0};  // cells [front, back) are left: front in the high half
+    std::atomic<uint64_t> state{0};  // round, then cells [front, back) left: see pack
+    uint64_t count = 0;
     Range range{0, 0};
   };
 
+  static uint64_t pack(uint64_t round, uint64_t front, uint64_t back) { return (round << 44) | (front << 22) | back; }
+
   template <class Fn>
-  bool take(Part& part, bool from_front, const Fn& fn) {
-    uint64_t now = part.front_back.load(std::memory_order_relaxed);
+  bool take(Part& part, uint64_t round, bool from_front, const Fn& fn) {
+    uint64_t now = part.state.load(std::memory_order_relaxed);
     uint64_t cell;
     do {
-      const uint64_t front = now >> 32, back = now & 0xffffffffu;
+      uint64_t front = (now >> 22) & (kMaxCells - 1), back = now & (kMaxCells - 1);
+      if ((now >> 44) != round) front = 0, back = part.count;  // another round's leftovers: all left
       if (front >= back) return false;
       cell = from_front ? front : back - 1;
-      const uint64_t next = from_front ? ((front + 1) << 32) | back : (front << 32) | (back - 1);
-      if (part.front_back.compare_exchange_weak(now, next, std::memory_order_relaxed)) break;
+      const uint64_t next = from_front ? pack(round, front + 1, back) : pack(round, front, back - 1);
+      if (part.state.compare_exchange_weak(now, next, std::memory_order_relaxed)) break;
     } while (true);
     const int64_t begin = part.range.begin + int64_t(cell) * cell_;
     fn(begin, std::min(part.range.end, begin + cell_));
