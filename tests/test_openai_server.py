@@ -245,7 +245,7 @@ def test_a_failed_engine_step_is_a_500_and_the_server_recovers(served, client):
     url, engine, offline = served
     execute = engine.runner.execute
 
-    def broken(requests):
+    def broken(requests, block_copies=None):
         raise RuntimeError("simulated kernel failure")
 
     engine.runner.execute = broken

@@ -242,7 +242,7 @@ def test_an_engine_fault_ends_the_step_and_is_counted(llm, canary_solo):
     failures = engine.stats()["step_failures"]
     real_execute = engine.runner.execute
 
-    def broken(batch):
+    def broken(batch, block_copies=None):
         raise RuntimeError("injected kernel fault")
 
     engine.runner.execute = broken
@@ -285,11 +285,11 @@ def test_a_failed_async_step_fails_only_its_own_requests(llm, canary_solo, caplo
     real_execute = engine.runner.execute
     steps = []
 
-    def faulty_third_step(batch):
+    def faulty_third_step(batch, block_copies=None):
         steps.append(len(batch))
         if len(steps) == 3:
             raise RuntimeError("injected kernel fault")
-        return real_execute(batch)
+        return real_execute(batch, block_copies)
 
     async def stream(async_engine, request_id, prompt, params):
         final = None

@@ -75,6 +75,12 @@ def _flatten(func, args: tuple, kwargs: dict) -> _Call:
 
 
 class _StepRecorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No capture is ever compiled: without this, torch wraps __torch_dispatch__ to keep
+        # dynamo out, and the first call imports torch._dynamo (over a second).
+        return False
+
     def __init__(self):
         super().__init__()
         self.calls: list[_Call] = []
@@ -206,8 +212,7 @@ class CpuDecodePrograms:
     @torch.inference_mode()
     def capture_idle(self, rows: int) -> bool:
         """Captures class `rows` from a step of padding rows only, which writes no cache slot
-        (before any request arrives: the first capture also pays torch's one-time import of its
-        dispatch machinery, over a second). Returns whether the class has a program."""
+        (before any request arrives). Returns whether the class has a program."""
         static = self._static_inputs(rows)
         static.fill([], HostMetadata([], [], [], [0], [], 1, 1))
         self._capture(rows, static)
