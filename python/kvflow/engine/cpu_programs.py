@@ -14,7 +14,9 @@ arena, a buffer reusing the bytes of one no longer read, but only past a node th
 always precedes, so that no thread of the region can still be reading them.
 
 Classes: batch sizes 1 to 8 each, then multiples of 8; a step of n requests fills the first n
-rows, and the padding rows write no cache slot (-1) and attend over one cached token."""
+rows, and the padding rows write no cache slot (-1) and attend over one cached token. A program
+holds the tensors it was captured with: a model changed afterwards (weights replaced, repacked)
+needs new programs."""
 
 from dataclasses import dataclass
 
