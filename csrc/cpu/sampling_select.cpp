@@ -12,14 +12,6 @@ namespace {
 
 bool before(const Token& a, const Token& b) { return a.p > b.p || (a.p == b.p && a.index < b.index); }
 
-template <typename T>
-int32_t first_index_of(const T* row, int64_t vocab, float value) {
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (to_float(row[i]) == value) return int32_t(i);
-  }
-  return 0;
-}
-
 }  // namespace
 
 void top_k_candidates(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, int64_t k, float max,
@@ -101,23 +93,24 @@ void take_mass(std::vector<Token>& tokens, double target, std::vector<Token>& ke
   }
 }
 
-int32_t argmax(const void* row, DType dtype, int64_t vocab, float max) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return first_index_of(static_cast<const float*>(row), vocab, max);
-    case DType::kFloat16:
-      return first_index_of(static_cast<const float16*>(row), vocab, max);
-    case DType::kBFloat16:
-      return first_index_of(static_cast<const bfloat16*>(row), vocab, max);
+int32_t argmax(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, float max, Scratch& s) {
+  // The values above the float just below max are the ones equal to it; the vector scan stops
+  // at the first span that holds one.
+  constexpr int64_t kSpan = 4096;
+  const float below = std::nextafter(max, -std::numeric_limits<float>::infinity());
+  s.indices.resize(std::max<int64_t>(s.indices.size(), std::min(vocab, kSpan)));
+  for (int64_t begin = 0; begin < vocab; begin += kSpan) {
+    const int64_t end = std::min(vocab, begin + kSpan);
+    if (kt.collect_greater[int(dtype)](row, begin, end, below, s.indices.data()) > 0) return s.indices[0];
   }
-  return 0;
+  return 0;  // max is not in the row: the caller broke the contract
 }
 
 void kept_tokens(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, const RowParams& r,
                  float max, Scratch& s) {
   s.kept.clear();
   if (r.temperature == 0.f) {
-    s.kept.push_back({argmax(row, dtype, vocab, max), 1.f});
+    s.kept.push_back({argmax(kt, dtype, row, vocab, max, s), 1.f});
     return;
   }
   const float inv_t = 1.f / r.temperature;

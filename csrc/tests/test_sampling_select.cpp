@@ -97,7 +97,15 @@ KVFLOW_TEST(greedy_keeps_the_first_maximum) {
   const std::vector<float> logits = {0.5f, 2.f, -1.f, 2.f, 2.f};
   kept_tokens(kt, DType::kFloat32, logits.data(), 5, {0.f, 0, 1.f, 0.f}, 2.f, scratch);
   KVFLOW_CHECK(scratch.kept.size() == 1 && scratch.kept[0].index == 1);
-  KVFLOW_CHECK(argmax(logits.data(), DType::kFloat32, 5, 2.f) == 1);
+  KVFLOW_CHECK(argmax(kt, DType::kFloat32, logits.data(), 5, 2.f, scratch) == 1);
+  // The first maximum far into a long row, behind values just below it, and at the very end.
+  std::vector<float> row(10000, 1.f);
+  row[7000] = std::nextafter(3.f, 0.f);
+  row[9000] = 3.f;
+  row[9999] = 3.f;
+  KVFLOW_CHECK(argmax(kt, DType::kFloat32, row.data(), 10000, 3.f, scratch) == 9000);
+  row[9000] = 1.f;
+  KVFLOW_CHECK(argmax(kt, DType::kFloat32, row.data(), 10000, 3.f, scratch) == 9999);
 }
 
 KVFLOW_TEST(take_mass_keeps_the_shortest_prefix_reaching_the_target) {

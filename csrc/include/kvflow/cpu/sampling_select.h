@@ -48,7 +48,7 @@ void top_k_candidates(const KernelTable& kt, DType dtype, const void* row, int64
 void take_mass(std::vector<Token>& tokens, double target, std::vector<Token>& kept);
 
 // The lowest index holding the row's maximum `max` (a value the row holds).
-int32_t argmax(const void* row, DType dtype, int64_t vocab, float max);
+int32_t argmax(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, float max, Scratch& s);
 
 // The tokens a row may draw into s.kept, with their unnormalised probabilities, in increasing
 // index order. max: the row's largest logit (finite; the row holds no NaN or +inf).
