@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -46,11 +47,19 @@ inline void check_index_tensor(const at::Tensor& t, const char* name, at::Scalar
 }
 
 // A tensor [..., width] seen as rows: the last dimension has unit stride and the leading ones
-// collapse into one row stride (a contiguous tensor, or a slice of the columns of one).
+// collapse into one row stride (a contiguous tensor, or a slice of the columns of one). Where
+// row_view_grouped allows it, a [tokens, heads, width] view whose token stride is not heads x
+// the head stride (the query heads of a merged QKV output) is rows in groups: group g starts
+// group_stride elements after group g - 1, and its group_rows rows are stride apart.
 struct RowView {
   int64_t rows;
   int64_t width;
   int64_t stride;
+  int64_t group_rows = 1;    // rows itself (at least 1) when the rows are evenly strided
+  int64_t group_stride = 0;
+
+  // The element offset of row r.
+  int64_t offset(int64_t r) const { return (r / group_rows) * group_stride + (r % group_rows) * stride; }
 };
 
 inline RowView row_view(const at::Tensor& t, const char* name) {
@@ -68,7 +77,17 @@ inline RowView row_view(const at::Tensor& t, const char* name) {
                   "'s leading dimensions must collapse into rows (strides ", t.strides(), ", sizes ", t.sizes(), ")");
     }
   }
-  return {rows, width, stride};
+  return {rows, width, stride, std::max<int64_t>(rows, 1), 0};
+}
+
+// row_view, or a [tokens, heads, width] tensor whose leading dimensions do not collapse as rows
+// in groups of heads.
+inline RowView row_view_grouped(const at::Tensor& t, const char* name) {
+  const bool collapses = t.dim() != 3 || t.size(0) == 1 || t.stride(0) == t.stride(1) * t.size(1);
+  if (collapses) return row_view(t, name);
+  TORCH_CHECK(t.size(2) == 1 || t.stride(2) == 1, name, " must have unit stride in its last dimension, got strides ",
+              t.strides());
+  return {t.size(0) * t.size(1), t.size(2), t.stride(1), std::max<int64_t>(t.size(1), 1), t.stride(0)};
 }
 
 struct NormGeometry {
@@ -77,8 +96,9 @@ struct NormGeometry {
   DType dtype;
 };
 
+// grouped: rows may come in groups (row_view_grouped; rms_norm over heads); otherwise evenly strided.
 inline NormGeometry check_norm_args(const at::Tensor& x, const char* x_name, const at::Tensor& y, const char* y_name,
-                                    const at::Tensor& weight, double epsilon) {
+                                    const at::Tensor& weight, double epsilon, bool grouped = false) {
   const DType dtype = kernel_dtype(x, x_name);
   check_like(y, y_name, x, x_name);
   check_like(weight, "weight", x, x_name);
@@ -87,6 +107,7 @@ inline NormGeometry check_norm_args(const at::Tensor& x, const char* x_name, con
               weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   TORCH_CHECK(epsilon > 0, "epsilon must be positive, got ", epsilon);
+  if (grouped) return {row_view_grouped(x, x_name), row_view_grouped(y, y_name), dtype};
   return {row_view(x, x_name), row_view(y, y_name), dtype};
 }
 

@@ -1,6 +1,6 @@
 """The CPU executor (kvflow._C.CpuProgram, captured by kvflow.engine.cpu_programs): a decode step
 replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
-and every KV cache), for every layer kind, at 1, 2 and 3 threads and on every instruction set;
+and every KV cache), for every layer kind (Qwen3's QK-norm among them), at 1, 2 and 3 threads and on every instruction set;
 and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
 cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
 executor too. A bad step is refused before any node writes."""
@@ -18,6 +18,7 @@ from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.layers import Linear, RMSNorm
 from kvflow.models.config import ModelConfig
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 BLOCK = 16
 VARIANTS = {
@@ -26,6 +27,7 @@ VARIANTS = {
     "all_biases_gelu": {"attention_bias": True, "o_proj_bias": True, "mlp_bias": True, "hidden_act": "gelu"},
     "gelu_tanh": {"hidden_act": "gelu_pytorch_tanh"},
     "sliding_window": {"layer_sliding_windows": [None, 24]},
+    "qwen3_qk_norm": {},  # Qwen3ForCausalLM: an RMS norm over each head of q and k
 }
 
 
@@ -34,7 +36,7 @@ def small_model(dtype, variant="llama", tie=False):
                          num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=tie, **VARIANTS[variant])
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, dtype)
+    model = (Qwen3ForCausalLM if variant.startswith("qwen3") else LlamaForCausalLM)(config, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
@@ -148,6 +150,9 @@ def reference_logits(model, ids, md, kv):
         x = rms(residual, layer.input_layernorm.weight)
         attn = layer.self_attn
         q, k, v = linear(x, attn.qkv_proj).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
+        if hasattr(attn, "q_norm"):  # QK-norm: each head on its own
+            q = rms(q.view(len(positions), heads, d), attn.q_norm.weight).reshape(len(positions), -1)
+            k = rms(k.view(len(positions), kv_heads, d), attn.k_norm.weight).reshape(len(positions), -1)
         cos, sin = attn.rotary.cos_sin_cache[positions].chunk(2, -1)
 
         def rotate(t, n):

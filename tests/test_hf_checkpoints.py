@@ -1,9 +1,10 @@
 """Checkpoints as transformers saves them, built at test time with every weight, bias and norm
 randomised, against transformers itself: float32 greedy tokens and the top-20 logprobs at every
 step, for prompts of 5, 40 and 150 tokens (longer than the test window). Qwen2/2.5 (q/k/v
-biases, tied or untied embeddings, a sliding window on the upper layers only), Mistral (a window
-on every layer), and Llama with attention biases (q/k/v and o_proj), MLP biases, and GELU (erf and
-tanh) MLPs; and Qwen2 as a qwen2 GGUF file."""
+biases, tied or untied embeddings, a sliding window on the upper layers only), Qwen3 (QK-norm,
+tied or untied, with attention biases, with a window on the upper layers), Mistral (a window on
+every layer), and Llama with attention biases (q/k/v and o_proj), MLP biases, and GELU (erf and
+tanh) MLPs; and Qwen2 and Qwen3 as qwen2 and qwen3 GGUF files."""
 
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import gguf
 import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
@@ -121,13 +122,25 @@ def test_qwen2_matches_transformers(tied, window, layer_types, tokenizer, tmp_pa
     assert_matches_transformers(reference, tmp_path)
 
 
+@pytest.mark.parametrize("variant", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False),
+                                     dict(attention_bias=True),
+                                     dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)],
+                         ids=["tied", "untied", "attention_bias", "window"])
+def test_qwen3_matches_transformers(variant, tokenizer, tmp_path):
+    """QK-norm: an RMS norm over each head of q and k before rope, its weights randomised like
+    every norm's (a kvflow that skipped it, or normed whole rows, differs at the first token).
+    The window variant windows layers 2 and 3 of 4."""
+    config = Qwen3Config(**SHAPE, head_dim=64, **variant)
+    reference = save_randomised(Qwen3ForCausalLM(config), tmp_path, tokenizer)
+    assert_matches_transformers(reference, tmp_path)
+
+
 @pytest.mark.parametrize("variant", [dict(attention_bias=True), dict(mlp_bias=True), dict(hidden_act="gelu"),
                                      dict(hidden_act="gelu_pytorch_tanh"),
                                      dict(attention_bias=True, mlp_bias=True, hidden_act="gelu")],
                          ids=["attention_bias", "mlp_bias", "gelu", "gelu_pytorch_tanh", "all"])
 def test_llama_variants_match_transformers(variant, tokenizer, tmp_path):
-    """attention_bias puts biases on q, k, v and o_proj; mlp_bias on gate, up and down. These
-    layers take the op-by-op path (the fused CPU layer computes SiLU without those biases)."""
+    """attention_bias puts biases on q, k, v and o_proj; mlp_bias on gate, up and down."""
     reference = save_randomised(LlamaForCausalLM(LlamaConfig(**SHAPE, **variant)), tmp_path, tokenizer)
     assert_matches_transformers(reference, tmp_path)
 
@@ -141,20 +154,24 @@ def test_mistral_matches_transformers(window, tokenizer, tmp_path):
 _GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                      "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                      "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                     "mlp.down_proj": "ffn_down"}
+                     "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
+                     "self_attn.k_norm": "attn_k_norm"}
 
 
-def qwen2_as_gguf(model: Qwen2ForCausalLM, path: Path) -> Path:
-    """The checkpoint as llama.cpp's converter writes a qwen2 GGUF: its metadata keys and tensor
-    names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama only)."""
+def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
+    """The checkpoint as llama.cpp's converter writes a qwen2 or qwen3 GGUF: its metadata keys and
+    tensor names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama only)."""
     config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
@@ -176,14 +193,21 @@ def qwen2_as_gguf(model: Qwen2ForCausalLM, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_qwen2_gguf_matches_transformers(tied, tokenizer, tmp_path):
-    """The same random Qwen2 written as a qwen2 GGUF (biases and all) and read by kvflow's GGUF
-    loader: greedy tokens and every step's top-20 logprobs as transformers gives them."""
-    reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
-    reader = open_gguf(str(qwen2_as_gguf(reference, tmp_path / "qwen2.gguf")))
+@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)],
+                         ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied"])
+def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
+    """The same random Qwen2 (biases and all) or Qwen3 (QK-norm weights) written as a qwen2 or
+    qwen3 GGUF and read by kvflow's GGUF loader: greedy tokens and every step's top-20 logprobs
+    as transformers gives them."""
+    if arch == "qwen2":
+        reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
+    else:
+        config = Qwen3Config(**SHAPE, head_dim=64, tie_word_embeddings=tied)
+        reference = save_randomised(Qwen3ForCausalLM(config), tmp_path / "hf", tokenizer)
+    reader = open_gguf(str(as_gguf(reference, tmp_path / f"{arch}.gguf", arch)))
     config = config_from_gguf(reader)
-    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == ("Qwen2ForCausalLM", True, tied)
+    expected = ("Qwen2ForCausalLM", True) if arch == "qwen2" else ("Qwen3ForCausalLM", False)
+    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (*expected, tied)
     graph = model_class(config.architecture)(config, torch.float32)
     graph.load_weights(gguf_weights(reader, config))
     runner = ModelRunner(graph.eval(), config, num_blocks=64)

@@ -39,6 +39,28 @@ def test_rms_norm_strided_rows_and_3d(device, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 130])
+def test_rms_norm_over_the_heads_of_a_merged_qkv_output(device, dtype, tokens):
+    """QK-norm (Qwen3, OLMo 2, Gemma 3): one norm per head of the q and k parts of the qkv
+    product, a [tokens, heads, head_dim] view whose token stride is the whole qkv row, so its
+    rows do not collapse into one stride; out of place and in place."""
+    heads, kv_heads, d = 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+    w = torch.randn(d, dtype=dtype, device=device)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d: (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    expected_q, expected_k = reference_rms_norm(q, w, 1e-6), reference_rms_norm(k, w, 1e-6)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    assert_close(ops.rms_norm(q, w, 1e-6), expected_q, dtype)
+    torch.ops.kvflow.rms_norm(k, k, w, 1e-6, 0.0)  # in place, in the qkv buffer
+    assert_close(k, expected_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)
+    if tokens > 1:  # one token's heads are evenly strided; more are not, which only rms_norm takes
+        with pytest.raises(RuntimeError, match="leading dimensions must collapse"):
+            ops.fused_add_rms_norm(q, q.clone(), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_gemma_offset(device, dtype):
     x = torch.randn(7, 769, dtype=dtype, device=device)
     w = torch.randn(769, dtype=dtype, device=device) * 0.1

@@ -1,6 +1,8 @@
 // rms_norm and fused_add_rms_norm on the CPU: checks, then rows split across threads.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
 #include "op_node.h"
@@ -11,6 +13,19 @@ namespace {
 
 // Enough elements per task that the thread hand-off is noise against the row work.
 int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// Calls fn(x byte offset, y byte offset, count) over rows [begin, end) of two views of the same
+// rows, one run of evenly strided rows at a time (a group, where rows come in groups).
+template <class Fn>
+void for_each_run(const RowView& x, const RowView& y, int64_t element_size, int64_t begin, int64_t end,
+                  const Fn& fn) {
+  const int64_t group = std::min(x.group_rows, y.group_rows);
+  while (begin < end) {
+    const int64_t run_end = std::min(end, (begin / group + 1) * group);
+    fn(x.offset(begin) * element_size, y.offset(begin) * element_size, run_end - begin);
+    begin = run_end;
+  }
+}
 
 // rms_norm (out, input) or fused_add_rms_norm (input, residual) as a program node.
 class NormNode final : public OpNode {
@@ -24,7 +39,7 @@ class NormNode final : public OpNode {
     weight_offset_ = float(args.real(1));
     // check_norm_args takes the tensor the rows are read from first
     geometry_ = fused ? check_norm_args(x_, x_name, y_, y_name, weight_, args.real(0))
-                      : check_norm_args(y_, y_name, x_, x_name, weight_, args.real(0));
+                      : check_norm_args(y_, y_name, x_, x_name, weight_, args.real(0), /*grouped=*/true);
     share_ = RowShare::of(x_, geometry_.x.rows);
   }
 
@@ -44,8 +59,13 @@ class NormNode final : public OpNode {
       fused_add_(x_.data_ptr(), geometry_.x.stride, y_.data_ptr(), geometry_.y.stride, weight_.data_ptr(), width,
                  epsilon_, weight_offset_, rows.begin, rows.end);
     } else {  // geometry_.x is the input's rows, geometry_.y the output's
-      rms_norm_(x_.data_ptr(), geometry_.y.stride, y_.data_ptr(), geometry_.x.stride, weight_.data_ptr(), width,
-                epsilon_, weight_offset_, rows.begin, rows.end);
+      char* out = static_cast<char*>(x_.data_ptr());
+      const char* in = static_cast<const char*>(y_.data_ptr());
+      for_each_run(geometry_.x, geometry_.y, x_.element_size(), rows.begin, rows.end,
+                   [&](int64_t in_offset, int64_t out_offset, int64_t count) {
+                     rms_norm_(out + out_offset, geometry_.y.stride, in + in_offset, geometry_.x.stride,
+                               weight_.data_ptr(), width, epsilon_, weight_offset_, 0, count);
+                   });
     }
   }
 
@@ -70,14 +90,16 @@ std::unique_ptr<OpNode> make_fused_add_rms_norm_node(const NodeArgs& args) {
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon,
               double weight_offset) {
   check_device_type(input, "input", c10::DeviceType::CPU);
-  const NormGeometry g = check_norm_args(input, "input", out, "out", weight, epsilon);
+  const NormGeometry g = check_norm_args(input, "input", out, "out", weight, epsilon, /*grouped=*/true);
   const RmsNormFn kernel = active_kernels().rms_norm[int(g.dtype)];
-  void* out_ptr = out.data_ptr();
-  const void* in_ptr = input.data_ptr();
+  char* out_ptr = static_cast<char*>(out.data_ptr());
+  const char* in_ptr = static_cast<const char*>(input.data_ptr());
   const void* w_ptr = weight.data_ptr();
   at::parallel_for(0, g.x.rows, rows_per_task(g.x.width), [&](int64_t begin, int64_t end) {
-    kernel(out_ptr, g.y.stride, in_ptr, g.x.stride, w_ptr, g.x.width, float(epsilon), float(weight_offset), begin,
-           end);
+    for_each_run(g.x, g.y, input.element_size(), begin, end, [&](int64_t in_offset, int64_t out_offset, int64_t n) {
+      kernel(out_ptr + out_offset, g.y.stride, in_ptr + in_offset, g.x.stride, w_ptr, g.x.width, float(epsilon),
+             float(weight_offset), 0, n);
+    });
   });
 }
 

@@ -22,6 +22,21 @@ __device__ __forceinline__ T scaled(T x, T w, float scale, float weight_offset) 
   return store_float<T>(load_float(x) * scale * (load_float(w) + weight_offset));
 }
 
+// Rows that come in groups (the heads of each token in a merged QKV output): row r of a view sits
+// at (r / group_rows) * group_stride + (r % group_rows) * stride. Evenly strided rows are one
+// group with group_stride 0.
+struct RowGroups {
+  int64_t in_group_rows = INT64_MAX, in_group_stride = 0;
+  int64_t out_group_rows = INT64_MAX, out_group_stride = 0;
+
+  __device__ __forceinline__ int64_t in_offset(int64_t r, int64_t stride) const {
+    return (r / in_group_rows) * in_group_stride + (r % in_group_rows) * stride;
+  }
+  __device__ __forceinline__ int64_t out_offset(int64_t r, int64_t stride) const {
+    return (r / out_group_rows) * out_group_stride + (r % out_group_rows) * stride;
+  }
+};
+
 // 1 / sqrt(mean(x^2) + eps), written as the CPU kernels write it.
 __device__ __forceinline__ float rms_scale(float sum_of_squares, int64_t hidden, float eps) {
   return 1.f / sqrtf(block_sum(sum_of_squares) / float(hidden) + eps);
@@ -35,9 +50,10 @@ __global__ void __launch_bounds__(kNormMaxThreads)
                     const T* input,     // [rows, hidden], row stride in_stride
                     int64_t in_stride,
                     const T* weight,    // [hidden]
-                    int64_t hidden, float eps, float weight_offset) {
-  const T* x = input + int64_t(blockIdx.x) * in_stride;
-  T* y = out + int64_t(blockIdx.x) * out_stride;
+                    int64_t hidden, float eps, float weight_offset, RowGroups groups) {
+  const int64_t r = blockIdx.x;
+  const T* x = input + groups.in_offset(r, in_stride);
+  T* y = out + groups.out_offset(r, out_stride);
   float sum = 0.f;
   if constexpr (kPacked) {
     constexpr int N = Pack<T>::kSize;
@@ -124,18 +140,21 @@ cudaError_t rms_norm(T* out,             // [rows, hidden], row stride out_strid
                      const T* input,     // [rows, hidden], row stride in_stride
                      int64_t in_stride,
                      const T* weight,    // [hidden]
-                     int64_t rows, int64_t hidden, float eps, float weight_offset, cudaStream_t stream) {
+                     int64_t rows, int64_t hidden, float eps, float weight_offset, cudaStream_t stream,
+                     RowGroups groups = {}) {
   if (rows == 0 || hidden == 0) return cudaSuccess;
   if (rows > INT32_MAX) return cudaErrorInvalidValue;
   const bool packed = pack_aligned(out, out_stride, hidden, sizeof(T)) &&
-                      pack_aligned(input, in_stride, hidden, sizeof(T)) && pack_aligned(weight, 0, hidden, sizeof(T));
+                      pack_aligned(input, in_stride, hidden, sizeof(T)) && pack_aligned(weight, 0, hidden, sizeof(T)) &&
+                      pack_aligned(out, groups.out_group_stride, hidden, sizeof(T)) &&
+                      pack_aligned(input, groups.in_group_stride, hidden, sizeof(T));
   const unsigned threads = threads_for(packed ? hidden / Pack<T>::kSize : hidden, kNormMaxThreads);
   if (packed) {
     rms_norm_kernel<T, true><<<unsigned(rows), threads, 0, stream>>>(out, out_stride, input, in_stride, weight,
-                                                                      hidden, eps, weight_offset);
+                                                                      hidden, eps, weight_offset, groups);
   } else {
     rms_norm_kernel<T, false><<<unsigned(rows), threads, 0, stream>>>(out, out_stride, input, in_stride, weight,
-                                                                       hidden, eps, weight_offset);
+                                                                       hidden, eps, weight_offset, groups);
   }
   return cudaGetLastError();
 }

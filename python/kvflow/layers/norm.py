@@ -20,4 +20,10 @@ class RMSNorm(nn.Module):
         torch.ops.kvflow.fused_add_rms_norm(x, residual, self.weight, self.eps, 0.0)
         return x, residual
 
+    def normalize_(self, x: torch.Tensor) -> torch.Tensor:
+        """x = rms_norm(x), in place; x may be a [tokens, heads, head_dim] view of a wider product
+        (QK-norm over the heads of q|k|v)."""
+        torch.ops.kvflow.rms_norm(x, x, self.weight, self.eps, 0.0)
+        return x
+
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -52,10 +52,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class = LlamaAttention  # a family with another attention (Qwen3's QK-norm) names its own
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype, config.sliding_window_of(index))
+        self.self_attn = self.attention_class(config, rotary, dtype, config.sliding_window_of(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -75,6 +77,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config = config
@@ -82,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling, config.rope_freq_factors)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, rotary, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)

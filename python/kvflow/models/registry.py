@@ -1,11 +1,13 @@
 """Architecture name (config.json's "architectures", or GGUF's general.architecture) -> model class."""
 
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 # GGUF general.architecture -> the Hugging Face name of the same graph
@@ -13,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
