@@ -1,6 +1,7 @@
 """The CPU executor (kvflow._C.CpuProgram, captured by kvflow.engine.cpu_programs): a decode step
 replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
-and every KV cache), for every layer kind (Qwen3's QK-norm among them), at 1, 2 and 3 threads and on every instruction set;
+and every KV cache), for every layer kind (Qwen3's QK-norm and SmolLM3's layers without rope
+among them), at 1, 2 and 3 threads and on every instruction set;
 and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
 cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
 executor too. A bad step is refused before any node writes."""
@@ -28,6 +29,7 @@ VARIANTS = {
     "gelu_tanh": {"hidden_act": "gelu_pytorch_tanh"},
     "sliding_window": {"layer_sliding_windows": [None, 24]},
     "qwen3_qk_norm": {},  # Qwen3ForCausalLM: an RMS norm over each head of q and k
+    "no_rope_layer": {"layer_uses_rope": [True, False]},  # SmolLM3's NoPE layers
 }
 
 
@@ -153,13 +155,17 @@ def reference_logits(model, ids, md, kv):
         if hasattr(attn, "q_norm"):  # QK-norm: each head on its own
             q = rms(q.view(len(positions), heads, d), attn.q_norm.weight).reshape(len(positions), -1)
             k = rms(k.view(len(positions), kv_heads, d), attn.k_norm.weight).reshape(len(positions), -1)
-        cos, sin = attn.rotary.cos_sin_cache[positions].chunk(2, -1)
+        cos, sin = model.layers[0].self_attn.rotary.cos_sin_cache[positions].chunk(2, -1)
 
         def rotate(t, n):
             a, b = t.view(len(positions), n, d).chunk(2, -1)
             return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
 
-        q, k, v = rotate(q, heads), rotate(k, kv_heads), v.view(len(positions), kv_heads, d)
+        if config.uses_rope(i):
+            q, k = rotate(q, heads), rotate(k, kv_heads)
+        else:
+            q, k = q.view(len(positions), heads, d), k.view(len(positions), kv_heads, d)
+        v = v.view(len(positions), kv_heads, d)
         window = config.sliding_window_of(i)
         outputs = []
         for b in range(len(ids)):

@@ -2,7 +2,8 @@
 randomised, against transformers itself: float32 greedy tokens and the top-20 logprobs at every
 step, for prompts of 5, 40 and 150 tokens (longer than the test window). Qwen2/2.5 (q/k/v
 biases, tied or untied embeddings, a sliding window on the upper layers only), Qwen3 (QK-norm,
-tied or untied, with attention biases, with a window on the upper layers), Mistral (a window on
+tied or untied, with attention biases, with a window on the upper layers), SmolLM3 (layers
+without rope), Mistral (a window on
 every layer), and Llama with attention biases (q/k/v and o_proj), MLP biases, and GELU (erf and
 tanh) MLPs; and Qwen2 and Qwen3 as qwen2 and qwen3 GGUF files."""
 
@@ -15,7 +16,8 @@ import gguf
 import pytest
 import torch
 from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
@@ -132,6 +134,18 @@ def test_qwen3_matches_transformers(variant, tokenizer, tmp_path):
     The window variant windows layers 2 and 3 of 4."""
     config = Qwen3Config(**SHAPE, head_dim=64, **variant)
     reference = save_randomised(Qwen3ForCausalLM(config), tmp_path, tokenizer)
+    assert_matches_transformers(reference, tmp_path)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=False), dict(no_rope_layer_interval=2)],
+                         ids=["tied", "untied", "nope-every-2nd"])
+def test_smollm3_matches_transformers(variant, tokenizer, tmp_path):
+    """SmolLM3 rotates q and k only on the layers no_rope_layers marks 1 (the 4th of 4 by
+    default, the 2nd and 4th with an interval of 2): a kvflow that rotated them all, or none,
+    differs at the first token."""
+    config = SmolLM3Config(**SHAPE, pad_token_id=None, **variant)
+    assert 0 in config.no_rope_layers
+    reference = save_randomised(SmolLM3ForCausalLM(config), tmp_path, tokenizer)
     assert_matches_transformers(reference, tmp_path)
 
 

@@ -34,6 +34,8 @@ class ModelConfig:
     # Each layer's window where they differ (Qwen2's max_window_layers, HF's layer_types): an int
     # or None per layer. None here means `sliding_window` on every layer.
     layer_sliding_windows: list[int | None] | None = None
+    # Whether each layer rotates q and k (SmolLM3's no_rope_layers: 1 = rope, 0 = none). None: all do.
+    layer_uses_rope: list[bool] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -51,12 +53,19 @@ class ModelConfig:
         if self.layer_sliding_windows is not None and len(self.layer_sliding_windows) != self.num_layers:
             raise ValueError(f"model config: {len(self.layer_sliding_windows)} layer windows for "
                              f"{self.num_layers} layers")
+        if self.layer_uses_rope is not None and len(self.layer_uses_rope) != self.num_layers:
+            raise ValueError(f"model config: no_rope_layers has {len(self.layer_uses_rope)} entries for "
+                             f"{self.num_layers} layers")
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: the whole context)."""
         if self.layer_sliding_windows is not None:
             return self.layer_sliding_windows[layer]
         return self.sliding_window
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates its queries and keys."""
+        return self.layer_uses_rope is None or self.layer_uses_rope[layer]
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
@@ -119,6 +128,7 @@ class ModelConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             sliding_window=sliding_window,
             layer_sliding_windows=layer_windows,
+            layer_uses_rope=None if config.get("no_rope_layers") is None else [bool(x) for x in config["no_rope_layers"]],
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
         )

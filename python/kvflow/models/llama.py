@@ -1,6 +1,6 @@
 """The Llama family: Llama 2/3/3.x (attention and MLP biases, GELU where the config says so),
 Mistral, Qwen2/2.5 (q/k/v biases, a window on the upper layers), SmolLM/SmolLM2 (tied
-embeddings). One forward pass takes the new tokens of many requests flattened into one row each,
+embeddings), SmolLM3 (no rope on the layers its no_rope_layers says). One forward pass takes the new tokens of many requests flattened into one row each,
 with no padding; the attention metadata says which request each row belongs to."""
 
 from collections.abc import Iterable
@@ -18,7 +18,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [n
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: int | None):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype,
+                 sliding_window: int | None):
         super().__init__()
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -32,7 +33,8 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        self.rotary(metadata.positions, query, key)
+        if self.rotary is not None:  # None: a layer without positions in q and k (SmolLM3's NoPE layers)
+            self.rotary(metadata.positions, query, key)
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -57,7 +59,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = self.attention_class(config, rotary, dtype, config.sliding_window_of(index))
+        self.self_attn = self.attention_class(config, rotary if config.uses_rope(index) else None, dtype,
+                                              config.sliding_window_of(index))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = LlamaMLP(config, dtype)
 

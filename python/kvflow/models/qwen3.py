@@ -11,7 +11,8 @@ from kvflow.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, Llam
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: int | None):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype,
+                 sliding_window: int | None):
         super().__init__(config, rotary, dtype, sliding_window)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype)
@@ -23,7 +24,8 @@ class Qwen3Attention(LlamaAttention):
         tokens = hidden.shape[0]
         self.q_norm.normalize_(query.view(tokens, self.num_heads, self.head_dim))
         self.k_norm.normalize_(key.view(tokens, self.num_kv_heads, self.head_dim))
-        self.rotary(metadata.positions, query, key)
+        if self.rotary is not None:
+            self.rotary(metadata.positions, query, key)
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -8,6 +8,7 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }
 
 # GGUF general.architecture -> the Hugging Face name of the same graph
