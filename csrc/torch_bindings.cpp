@@ -15,8 +15,9 @@
 #include "ops.h"
 
 TORCH_LIBRARY(kvflow, m) {
-  // out[t] = weight[token_ids[t]] (the CPU checks every id first; CUDA writes zeros for one out of range).
-  m.def("embedding(Tensor! out, Tensor token_ids, Tensor weight) -> ()");
+  // out[t] = weight[token_ids[t]] * scale (the CPU checks every id first; CUDA writes zeros for one out of
+  // range). scale: Gemma's sqrt(hidden_size), in the weight's dtype.
+  m.def("embedding(Tensor! out, Tensor token_ids, Tensor weight, float scale=1.0) -> ()");
   // out = input * rsqrt(mean(input^2, -1) + epsilon) * (weight + weight_offset), float32 math.
   // weight_offset = 1.0 gives the Gemma convention.
   m.def("rms_norm(Tensor! out, Tensor input, Tensor weight, float epsilon, float weight_offset=0.0) -> ()");

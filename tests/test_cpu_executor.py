@@ -1,7 +1,7 @@
 """The CPU executor (kvflow._C.CpuProgram, captured by kvflow.engine.cpu_programs): a decode step
 replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
-and every KV cache), for every layer kind (Qwen3's QK-norm and SmolLM3's layers without rope
-among them), at 1, 2 and 3 threads and on every instruction set;
+and every KV cache), for every layer kind (Qwen3's QK-norm, SmolLM3's layers without rope and
+Gemma's scaled embeddings and (1 + w) norms among them), at 1, 2 and 3 threads and on every instruction set;
 and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
 cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
 executor too. A bad step is refused before any node writes."""
@@ -18,6 +18,7 @@ from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.layers import Linear, RMSNorm
 from kvflow.models.config import ModelConfig
+from kvflow.models.gemma import GemmaForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 
@@ -30,6 +31,7 @@ VARIANTS = {
     "sliding_window": {"layer_sliding_windows": [None, 24]},
     "qwen3_qk_norm": {},  # Qwen3ForCausalLM: an RMS norm over each head of q and k
     "no_rope_layer": {"layer_uses_rope": [True, False]},  # SmolLM3's NoPE layers
+    "gemma": {"hidden_act": "gelu_pytorch_tanh"},  # GemmaForCausalLM: scaled embeddings, (1 + w) norms
 }
 
 
@@ -38,7 +40,8 @@ def small_model(dtype, variant="llama", tie=False):
                          num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=tie, **VARIANTS[variant])
     torch.manual_seed(0)
-    model = (Qwen3ForCausalLM if variant.startswith("qwen3") else LlamaForCausalLM)(config, dtype)
+    graph = {"qwen3_qk_norm": Qwen3ForCausalLM, "gemma": GemmaForCausalLM}.get(variant, LlamaForCausalLM)
+    model = graph(config, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else torch.randn(p.shape) / p.shape[-1] ** 0.5)
@@ -138,18 +141,20 @@ def reference_logits(model, ids, md, kv):
     act = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[
         config.hidden_act]
 
-    def rms(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w.float()
+    offset = model.layer_class.norm_weight_offset  # Gemma: (1 + w)
+
+    def rms(x, w, offset=0.0):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * (w.float() + offset)
 
     def linear(x, module):
         return F.linear(x, module.weight.float(), None if module.bias is None else module.bias.float())
 
     positions = md.positions
-    residual = model.embed_tokens.weight.float()[ids]
+    residual = model.embed_tokens.weight.float()[ids] * model.embed_tokens.scale
     hidden = torch.zeros_like(residual)
     for i, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv)):
         residual = residual + hidden
-        x = rms(residual, layer.input_layernorm.weight)
+        x = rms(residual, layer.input_layernorm.weight, offset)
         attn = layer.self_attn
         q, k, v = linear(x, attn.qkv_proj).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
         if hasattr(attn, "q_norm"):  # QK-norm: each head on its own
@@ -181,10 +186,10 @@ def reference_logits(model, ids, md, kv):
             scores = torch.einsum("hd,khd->hk", q[b], keys) / math.sqrt(d)
             outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1))
         residual = residual + linear(torch.stack(outputs), attn.o_proj)
-        x = rms(residual, layer.post_attention_layernorm.weight)
+        x = rms(residual, layer.post_attention_layernorm.weight, offset)
         gate, up = linear(x, layer.mlp.gate_up_proj).chunk(2, -1)
         hidden = linear(act(gate) * up, layer.mlp.down_proj)
-    x = rms(residual + hidden, model.norm.weight)
+    x = rms(residual + hidden, model.norm.weight, offset)
     head = model.lm_head.tied_to.weight if model.lm_head.tied_to is not None else model.lm_head.weight
     return F.linear(x, head.float())
 

@@ -17,6 +17,15 @@ def test_embedding_gathers_the_rows(device, dtype, num_tokens, hidden):
     assert torch.equal(ops.embedding(ids, weight), weight[ids])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_scaled_embedding_is_rounded_once(device, dtype):
+    """Gemma's embeddings times sqrt(hidden_size): the float32 product rounded to the dtype."""
+    weight = torch.randn(100, 96, dtype=dtype, device=device)
+    ids = torch.tensor([3, 0, 99, 3], device=device)
+    scale = float(torch.tensor(96 ** 0.5, dtype=dtype))
+    assert torch.equal(ops.embedding(ids, weight, scale=scale), (weight[ids].float() * scale).to(dtype))
+
+
 def test_an_id_outside_the_vocabulary_is_refused_before_any_row_is_written():
     weight = torch.randn(50, 16)
     out = torch.full((3, 16), 7.0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
@@ -134,6 +134,20 @@ def test_qwen3_matches_transformers(variant, tokenizer, tmp_path):
     The window variant windows layers 2 and 3 of 4."""
     config = Qwen3Config(**SHAPE, head_dim=64, **variant)
     reference = save_randomised(Qwen3ForCausalLM(config), tmp_path, tokenizer)
+    assert_matches_transformers(reference, tmp_path)
+
+
+@pytest.mark.parametrize("legacy_gelu", [False, True], ids=["gelu_pytorch_tanh", "released-config-gelu"])
+def test_gemma_matches_transformers(legacy_gelu, tokenizer, tmp_path):
+    """Gemma: embeddings times sqrt(hidden_size), (1 + w) norms with every norm weight random (a
+    kvflow that used w alone, or skipped the scale, differs at the first token), GELU-tanh MLP.
+    The released configs say hidden_act "gelu" and mean tanh, as transformers reads them."""
+    config = GemmaConfig(**SHAPE, head_dim=64, pad_token_id=None)
+    reference = save_randomised(GemmaForCausalLM(config), tmp_path, tokenizer)
+    if legacy_gelu:
+        saved = json.loads((tmp_path / "config.json").read_text())
+        saved.update(hidden_act="gelu", hidden_activation=None)
+        (tmp_path / "config.json").write_text(json.dumps(saved))
     assert_matches_transformers(reference, tmp_path)
 
 

@@ -31,6 +31,7 @@ def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, archit
     ("hidden_act", "quick_gelu", "hidden_act 'quick_gelu' is not supported"),
     ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
     ("no_rope_layers", [1, 1, 0], "no_rope_layers has 3 entries for 2 layers"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -19,7 +19,7 @@ def op_cases():
         return torch.randn(*shape, dtype=torch.bfloat16)
 
     return {
-        "embedding": (torch.ops.kvflow.embedding, (torch.empty(3, 111), torch.tensor([0, 6, 2]), x)),
+        "embedding": (torch.ops.kvflow.embedding, (torch.empty(3, 111), torch.tensor([0, 6, 2]), x, 1.5)),
         "rms_norm": (torch.ops.kvflow.rms_norm, (torch.empty(7, 111), x, w, 1e-6, 0.0)),
         "fused_add_rms_norm": (torch.ops.kvflow.fused_add_rms_norm, (x.clone(), torch.randn(7, 111), w, 1e-6, 1.0)),
         "rotary_embedding": (

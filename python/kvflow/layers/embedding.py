@@ -8,15 +8,19 @@ from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None):
+    """scale: every embedding times this (Gemma: sqrt(hidden_size), rounded to the dtype first,
+    as Gemma computes it)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, scale: float = 1.0):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.scale = float(torch.tensor(scale, dtype=dtype or torch.get_default_dtype()))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
         out = self.weight.new_empty((token_ids.shape[0], self.weight.shape[1]))
-        torch.ops.kvflow.embedding(out, token_ids, self.weight)
+        torch.ops.kvflow.embedding(out, token_ids, self.weight, self.scale)
         return out
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

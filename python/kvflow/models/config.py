@@ -79,6 +79,8 @@ class ModelConfig:
         if architecture not in MODEL_CLASSES:  # before any field is read as this family's
             raise ValueError(f"unsupported model architecture {architecture!r} "
                              f"(supported: {', '.join(MODEL_CLASSES)})")
+        if architecture == "GemmaForCausalLM":
+            config = gemma_legacy_activation(config)
         reject_unsupported_fields(config)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
@@ -134,6 +136,16 @@ class ModelConfig:
         )
 
 
+def gemma_legacy_activation(config: dict) -> dict:
+    """Gemma's released configs say hidden_act "gelu" and mean the tanh approximation
+    (transformers converts it the same way)."""
+    config = dict(config)
+    for key in ("hidden_act", "hidden_activation"):
+        if config.get(key) == "gelu":
+            config[key] = "gelu_pytorch_tanh"
+    return config
+
+
 def reject_unsupported_fields(config: dict) -> None:
     """A clear error for each config field that would change the math in a way this graph does
     not implement, rather than a model that runs and answers wrongly."""
@@ -144,3 +156,5 @@ def reject_unsupported_fields(config: dict) -> None:
     if config.get("hidden_activation") not in (None, act):
         raise ValueError(f"model config: hidden_activation {config['hidden_activation']!r} differs from "
                          f"hidden_act {act!r}")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("model config: use_bidirectional_attention is not supported (attention is causal)")

@@ -55,13 +55,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention  # a family with another attention (Qwen3's QK-norm) names its own
+    norm_weight_offset = 0.0  # Gemma's norms multiply by (1 + weight)
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        offset = self.norm_weight_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, weight_offset=offset)
         self.self_attn = self.attention_class(config, rotary if config.uses_rope(index) else None, dtype,
                                               config.sliding_window_of(index))
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                                                weight_offset=offset)
         self.mlp = LlamaMLP(config, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
@@ -81,6 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_class = LlamaDecoderLayer
+    scales_embedding = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -88,9 +92,11 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling, config.rope_freq_factors)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                           scale=config.hidden_size ** 0.5 if self.scales_embedding else 1.0)
         self.layers = nn.ModuleList(self.layer_class(config, rotary, dtype, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
+                            weight_offset=self.layer_class.norm_weight_offset)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)
 

@@ -1,9 +1,11 @@
 """Architecture name (config.json's "architectures", or GGUF's general.architecture) -> model class."""
 
+from kvflow.models.gemma import GemmaForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
+    "GemmaForCausalLM": GemmaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
