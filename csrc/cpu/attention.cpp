@@ -26,6 +26,21 @@ constexpr int64_t kRowsPerTile = 32;
 constexpr int64_t kMinKeysPerSplit = 32;
 constexpr int64_t kMaxItemsPerGrab = 8;
 
+// paged_attention's argument checks on the CPU: the shared ones, and the block sizes its kernels take.
+AttentionGeometry check_cpu_attention_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                           const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                                           int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
+                                           double logits_soft_cap, const std::optional<at::Tensor>& workspace) {
+  check_device_type(query, "query", c10::DeviceType::CPU);
+  const AttentionGeometry g =
+      check_paged_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                 max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace);
+  TORCH_CHECK(g.block_size % 16 == 0, "key_cache's block_size ", g.block_size,
+              " is not supported on the CPU (a multiple of 16 is)");
+  return g;
+}
+
 void validate_metadata(const AttentionGeometry& g, const int32_t* cu, const int32_t* seq_lens,
                        const int32_t* block_tables, int64_t max_query_len, int64_t max_seq_len) {
   TORCH_CHECK(cu[0] == 0, "cu_seqlens_q[0] must be 0, got ", cu[0]);
@@ -105,12 +120,9 @@ PagedAttentionPlan plan_paged_attention(const at::Tensor& out, const at::Tensor&
                                         int64_t max_query_len, int64_t max_seq_len, int64_t sliding_window,
                                         double logits_soft_cap, const std::optional<at::Tensor>& workspace,
                                         int64_t threads) {
-  check_device_type(query, "query", c10::DeviceType::CPU);
   const AttentionGeometry g =
-      check_paged_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                 max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace);
-  TORCH_CHECK(g.block_size % 16 == 0, "key_cache's block_size ", g.block_size,
-              " is not supported on the CPU (a multiple of 16 is)");
+      check_cpu_attention_args(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                               max_query_len, max_seq_len, sliding_window, logits_soft_cap, workspace);
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -181,12 +193,9 @@ class PagedAttentionNode final : public OpNode {
         scale_(args.real(0)),
         soft_cap_(args.real(1)),
         sliding_window_(args.integer(2)) {
-    check_device_type(query_, "query", c10::DeviceType::CPU);
-    const AttentionGeometry g = check_paged_attention_args(
-        out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_, args.integer(0),
-        args.integer(1), sliding_window_, soft_cap_, std::nullopt);
-    TORCH_CHECK(g.block_size % 16 == 0, "key_cache's block_size ", g.block_size,
-                " is not supported on the CPU (a multiple of 16 is)");
+    const AttentionGeometry g =
+        check_cpu_attention_args(out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_,
+                                 args.integer(0), args.integer(1), sliding_window_, soft_cap_, std::nullopt);
     num_tokens_ = g.num_tokens;
     key_ = {reinterpret_cast<int64_t>(block_tables_.data_ptr()), reinterpret_cast<int64_t>(cu_seqlens_q_.data_ptr()),
             reinterpret_cast<int64_t>(seq_lens_.data_ptr()), g.num_tokens, g.batch, g.num_q_heads, g.num_kv_heads,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvflow/cpu/kernel_table.h"
+#include "op_checks.h"
 
 namespace kvflow::cpu {
 
@@ -42,12 +43,16 @@ void run_attention_items(const PagedAttentionPlan& plan, const PagedAttentionArg
 void merge_attention_tokens(const PagedAttentionPlan& plan, const PagedAttentionArgs& args, int64_t begin,
                             int64_t end);
 
-// rotary_embedding's kernel and arguments, positions range-checked.
+// rotary_embedding's kernel and arguments (positions range-checked unless the caller did), and
+// the geometry they were checked to have.
 struct RotaryPlan {
   RotaryArgs args{};
   RotaryFn kernel = nullptr;
-  int64_t num_tokens = 0;
+  RotaryGeometry geometry{};
 };
+
+// The kernel for a checked geometry in the active table.
+RotaryFn rotary_kernel(const RotaryGeometry& geometry);
 
 // check_positions false: the caller has checked these positions against a table of this size.
 RotaryPlan plan_rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,

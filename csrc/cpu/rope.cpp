@@ -28,28 +28,25 @@ class RotaryNode final : public OpNode {
         cos_sin_cache_(args.tensor(3)),
         head_size_(args.integer(0)),
         is_neox_(args.integer(1) != 0) {
-    check_device_type(query_, "query", c10::DeviceType::CPU);
-    geometry_ = check_rotary_args(positions_, query_, key_, head_size_, cos_sin_cache_);
     plan_ = plan_rotary_embedding(positions_, query_, key_, head_size_, cos_sin_cache_, is_neox_, false);
   }
 
-  void configure(int64_t) override {
-    plan_.kernel = active_kernels().rotary_embedding[int(geometry_.dtype)][geometry_.cache_is_float32 ? 0 : 1];
-  }
+  void configure(int64_t) override { plan_.kernel = rotary_kernel(plan_.geometry); }
 
   bool reads_step() const override { return true; }
 
   void prepare(StepContext& step) override {
-    if (step.first_time({kCheckPositions, reinterpret_cast<int64_t>(plan_.args.positions), geometry_.num_tokens,
-                         geometry_.max_position})) {
-      check_positions(plan_.args.positions, geometry_.num_tokens, geometry_.max_position);
+    const RotaryGeometry& g = plan_.geometry;
+    if (step.first_time({kCheckPositions, reinterpret_cast<int64_t>(plan_.args.positions), g.num_tokens,
+                         g.max_position})) {
+      check_positions(plan_.args.positions, g.num_tokens, g.max_position);
     }
   }
 
-  int64_t units(int) const override { return geometry_.num_tokens; }
+  int64_t units(int) const override { return plan_.geometry.num_tokens; }
 
   void run(int, const Turn& turn) override {
-    const Range tokens = share_of(geometry_.num_tokens, 1, turn.team, turn.tid);
+    const Range tokens = share_of(plan_.geometry.num_tokens, 1, turn.team, turn.tid);
     if (tokens.begin < tokens.end) plan_.kernel(plan_.args, tokens.begin, tokens.end);
   }
 
@@ -60,7 +57,6 @@ class RotaryNode final : public OpNode {
   at::Tensor cos_sin_cache_;
   int64_t head_size_;
   bool is_neox_;
-  RotaryGeometry geometry_{};
   RotaryPlan plan_;
 };
 
@@ -88,9 +84,13 @@ RotaryPlan plan_rotary_embedding(const at::Tensor& positions, at::Tensor& query,
   args.cos_sin = cos_sin_cache.data_ptr();
   args.rotary_dim = g.rotary_dim;
   args.is_neox = is_neox;
-  plan.kernel = active_kernels().rotary_embedding[int(g.dtype)][g.cache_is_float32 ? 0 : 1];
-  plan.num_tokens = g.num_tokens;
+  plan.kernel = rotary_kernel(g);
+  plan.geometry = g;
   return plan;
+}
+
+RotaryFn rotary_kernel(const RotaryGeometry& geometry) {
+  return active_kernels().rotary_embedding[int(geometry.dtype)][geometry.cache_is_float32 ? 0 : 1];
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
@@ -99,7 +99,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std:
   const RotaryArgs& args = plan.args;
   const int64_t work_per_token = (args.num_q_heads + args.num_kv_heads) * args.rotary_dim;
   const int64_t tokens_per_task = std::max<int64_t>(1, 16384 / std::max<int64_t>(work_per_token, 1));
-  at::parallel_for(0, plan.num_tokens, tokens_per_task,
+  at::parallel_for(0, plan.geometry.num_tokens, tokens_per_task,
                    [&](int64_t begin, int64_t end) { plan.kernel(args, begin, end); });
 }
 

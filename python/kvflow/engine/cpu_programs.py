@@ -191,7 +191,6 @@ class CpuDecodePrograms:
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_seq_len: int):
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.programs: dict[int, CapturedStep | None] = {}

@@ -3,7 +3,6 @@ over all of them as one flattened batch, and samples the requests that are due a
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvflow.attention_metadata import HostMetadata
@@ -119,9 +118,8 @@ class ModelRunner:
         raw_logits = logits.clone() if any(p.logprobs is not None for p in params) else logits
         if any(p.has_penalties for p in params):
             self._apply_penalties(logits, requests)
-        offsets = torch.from_numpy(np.array([len(r.output_token_ids) for r in requests], dtype=np.int64))
         token_ids = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
-                           offsets if self.device.type == "cpu" else offsets.to(self.device))
+                           self._tensor([len(r.output_token_ids) for r in requests], torch.int64))
         tokens = token_ids.tolist()
         results = [SampledToken(t) for t in tokens]
         if raw_logits is not logits:
