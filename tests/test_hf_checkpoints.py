@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
@@ -163,6 +163,22 @@ def test_smollm3_matches_transformers(variant, tokenizer, tmp_path):
     assert_matches_transformers(reference, tmp_path)
 
 
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.3,
+                          logits_scaling=3.0)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)],
+                         ids=["tied", "untied-biases"])
+def test_granite_matches_transformers(variant, tokenizer, tmp_path):
+    """Granite: embeddings times embedding_multiplier, q.k times attention_multiplier (not
+    head_dim ** -0.5), each sublayer's output times residual_multiplier before the residual add,
+    logits divided by logits_scaling; each set away from its neutral value, so a kvflow that
+    ignored one differs at the first token."""
+    config = GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS, **{"tie_word_embeddings": True, **variant})
+    reference = save_randomised(GraniteForCausalLM(config), tmp_path, tokenizer)
+    assert_matches_transformers(reference, tmp_path)
+
+
 @pytest.mark.parametrize("variant", [dict(attention_bias=True), dict(mlp_bias=True), dict(hidden_act="gelu"),
                                      dict(hidden_act="gelu_pytorch_tanh"),
                                      dict(attention_bias=True, mlp_bias=True, hidden_act="gelu")],
@@ -186,9 +202,16 @@ _GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q
                      "self_attn.k_norm": "attn_k_norm"}
 
 
+def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows as llama.cpp's converter writes them for llama-like architectures: within each
+    head, the two rotated halves interleaved."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
 def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
-    """The checkpoint as llama.cpp's converter writes a qwen2 or qwen3 GGUF: its metadata keys and
-    tensor names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama only)."""
+    """The checkpoint as llama.cpp's converter writes a qwen2, qwen3 or granite GGUF: its metadata
+    keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama
+    and granite, and so does this)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -203,6 +226,11 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    if arch == "granite":
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -210,6 +238,9 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+            if arch == "granite" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
+                tensor = llama_cpp_permuted(tensor, heads)
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
@@ -221,20 +252,25 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
     return path
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False)],
-                         ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied"])
+@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
+                                       ("granite", True)],
+                         ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied", "granite-tied"])
 def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     """The same random Qwen2 (biases and all) or Qwen3 (QK-norm weights) written as a qwen2 or
     qwen3 GGUF and read by kvflow's GGUF loader: greedy tokens and every step's top-20 logprobs
     as transformers gives them."""
     if arch == "qwen2":
         reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
+    elif arch == "granite":
+        config = GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS, tie_word_embeddings=tied)
+        reference = save_randomised(GraniteForCausalLM(config), tmp_path / "hf", tokenizer)
     else:
         config = Qwen3Config(**SHAPE, head_dim=64, tie_word_embeddings=tied)
         reference = save_randomised(Qwen3ForCausalLM(config), tmp_path / "hf", tokenizer)
     reader = open_gguf(str(as_gguf(reference, tmp_path / f"{arch}.gguf", arch)))
     config = config_from_gguf(reader)
-    expected = ("Qwen2ForCausalLM", True) if arch == "qwen2" else ("Qwen3ForCausalLM", False)
+    expected = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
+                "granite": ("GraniteForCausalLM", False)}[arch]
     assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (*expected, tied)
     graph = model_class(config.architecture)(config, torch.float32)
     graph.load_weights(gguf_weights(reader, config))

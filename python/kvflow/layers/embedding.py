@@ -8,14 +8,13 @@ from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
 class VocabEmbedding(nn.Module):
-    """scale: every embedding times this (Gemma: sqrt(hidden_size), rounded to the dtype first,
-    as Gemma computes it)."""
+    """scale: every embedding times this (Gemma's sqrt(hidden_size), Granite's embedding_multiplier)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, scale: float = 1.0):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-        self.scale = float(torch.tensor(scale, dtype=dtype or torch.get_default_dtype()))
+        self.scale = float(scale)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""

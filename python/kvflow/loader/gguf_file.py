@@ -16,7 +16,7 @@ from kvflow.models.registry import GGUF_ARCHITECTURES
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp stores the q and k rows of these architectures permuted for its interleaved RoPE.
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral")
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "granite")
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -115,6 +115,10 @@ def config_from_gguf(reader) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         tie_word_embeddings="output.weight" not in tensor_names,
         sliding_window=meta("attention.sliding_window"),
+        attention_scale=meta("attention.scale") or None,  # llama.cpp writes 0 for the default
+        embedding_multiplier=meta("embedding_scale", 1.0),
+        residual_multiplier=meta("residual_scale", 1.0),
+        logits_scaling=meta("logit_scale", 1.0),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )

@@ -36,6 +36,10 @@ class ModelConfig:
     layer_sliding_windows: list[int | None] | None = None
     # Whether each layer rotates q and k (SmolLM3's no_rope_layers: 1 = rope, 0 = none). None: all do.
     layer_uses_rope: list[bool] | None = None
+    attention_scale: float | None = None  # q.k multiplier; None: head_dim ** -0.5 (Granite's attention_multiplier)
+    embedding_multiplier: float = 1.0     # embeddings times this (Granite)
+    residual_multiplier: float = 1.0      # each sublayer's output times this before the residual add (Granite)
+    logits_scaling: float = 1.0           # logits divided by this (Granite)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -53,6 +57,8 @@ class ModelConfig:
         if self.layer_sliding_windows is not None and len(self.layer_sliding_windows) != self.num_layers:
             raise ValueError(f"model config: {len(self.layer_sliding_windows)} layer windows for "
                              f"{self.num_layers} layers")
+        if not self.logits_scaling:
+            raise ValueError("model config: logits_scaling must be nonzero (the logits are divided by it)")
         if self.layer_uses_rope is not None and len(self.layer_uses_rope) != self.num_layers:
             raise ValueError(f"model config: no_rope_layers has {len(self.layer_uses_rope)} entries for "
                              f"{self.num_layers} layers")
@@ -131,6 +137,10 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_sliding_windows=layer_windows,
             layer_uses_rope=None if config.get("no_rope_layers") is None else [bool(x) for x in config["no_rope_layers"]],
+            attention_scale=config.get("attention_multiplier"),
+            embedding_multiplier=config.get("embedding_multiplier", 1.0),
+            residual_multiplier=config.get("residual_multiplier", 1.0),
+            logits_scaling=config.get("logits_scaling", 1.0),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
         )

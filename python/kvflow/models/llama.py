@@ -1,6 +1,7 @@
 """The Llama family: Llama 2/3/3.x (attention and MLP biases, GELU where the config says so),
 Mistral, Qwen2/2.5 (q/k/v biases, a window on the upper layers), SmolLM/SmolLM2 (tied
-embeddings), SmolLM3 (no rope on the layers its no_rope_layers says). One forward pass takes the new tokens of many requests flattened into one row each,
+embeddings), SmolLM3 (no rope on the layers its no_rope_layers says), Granite (embedding, attention, residual
+and logit multipliers). One forward pass takes the new tokens of many requests flattened into one row each,
 with no padding; the attention metadata says which request each row belongs to."""
 
 from collections.abc import Iterable
@@ -28,7 +29,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
         self.rotary = rotary
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
-                                   scale=config.head_dim ** -0.5, sliding_window=sliding_window)
+                                   scale=config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale,
+                                   sliding_window=sliding_window)
 
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -93,12 +95,17 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling, config.rope_freq_factors)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                           scale=config.hidden_size ** 0.5 if self.scales_embedding else 1.0)
+                                           scale=self.embedding_scale(config, dtype))
         self.layers = nn.ModuleList(self.layer_class(config, rotary, dtype, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                             weight_offset=self.layer_class.norm_weight_offset)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.embed_tokens if config.tie_word_embeddings else None)
+
+    def embedding_scale(self, config: ModelConfig, dtype: torch.dtype) -> float:
+        if self.scales_embedding:  # rounded to the dtype first, as Gemma computes it
+            return float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))
+        return config.embedding_multiplier
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
@@ -114,7 +121,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden_size] (only the rows to sample) -> float32 logits [rows, vocab_size]."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits.div_(self.config.logits_scaling)
+        return logits
 
     def prepack_linear_weights(self) -> int:
         """Packed copies of the projection weights for many-row products on the CPU (see
@@ -164,6 +174,20 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint lacks weights for {len(missing)} parameter(s) of the model: {shown}")
+        self._fold_residual_multiplier()
+
+    def _fold_residual_multiplier(self) -> None:
+        """Granite scales each sublayer's output by residual_multiplier before the residual add:
+        that is o_proj and down_proj with their weights and biases scaled, at no cost per token."""
+        factor = self.config.residual_multiplier
+        if factor == 1.0:
+            return
+        with torch.no_grad():
+            for layer in self.layers:
+                for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    projection.weight.mul_(factor)
+                    if projection.bias is not None:
+                        projection.bias.mul_(factor)
 
     @staticmethod
     def _module(modules: dict, module_name: str, checkpoint_name: str) -> nn.Module:

@@ -6,6 +6,7 @@ from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "GemmaForCausalLM": GemmaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,6 +16,7 @@ MODEL_CLASSES = {
 
 # GGUF general.architecture -> the Hugging Face name of the same graph
 GGUF_ARCHITECTURES = {
+    "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
