@@ -124,6 +124,17 @@ def test_qwen2_matches_transformers(tied, window, layer_types, tokenizer, tmp_pa
     assert_matches_transformers(reference, tmp_path)
 
 
+def test_qwen2_yarn_matches_transformers(tokenizer, tmp_path):
+    """YaRN as Qwen2.5 ships it, with an original context of 64 so that the 150-token prompt runs
+    well past it: a kvflow without the ramp of frequencies, or without the attention factor on
+    cos and sin, differs."""
+    shape = {**SHAPE, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                          "rope_theta": SHAPE["rope_theta"]}}
+    reference = save_randomised(Qwen2ForCausalLM(Qwen2Config(**shape)), tmp_path, tokenizer)
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    assert_matches_transformers(reference, tmp_path)
+
+
 @pytest.mark.parametrize("variant", [dict(tie_word_embeddings=True), dict(tie_word_embeddings=False),
                                      dict(attention_bias=True),
                                      dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)],

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvflow.loader import load_model
+from kvflow.models.config import ModelConfig
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -29,10 +30,25 @@ def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, archit
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_act", "relu", "hidden_act 'relu' is not supported"),
     ("hidden_act", "quick_gelu", "hidden_act 'quick_gelu' is not supported"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 4.0}, "unsupported rope_scaling type 'longrope'"),
+    ("rope_scaling", {"rope_type": "yarn"}, "yarn rope scaling needs a 'factor'"),
     ("no_rope_layers", [1, 1, 0], "no_rope_layers has 3 entries for 2 layers"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
         load_config(tmp_path, {**LLAMA, field: value})
+
+
+@pytest.mark.parametrize("scaling,context,original", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512, 128),
+    ({"rope_type": "yarn", "factor": 4.0}, 1024, 256),
+    ({"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}, 512, 256),
+])
+def test_yarn_and_dynamic_ntk_serve_the_scaled_context(scaling, context, original):
+    """As vLLM sizes it: the context is the original one times factor (YaRN's original context
+    is its own field, max_position_embeddings when absent; dynamic NTK's is always
+    max_position_embeddings, as transformers reads it)."""
+    config = ModelConfig.from_hf({**LLAMA, "rope_scaling": scaling})
+    assert config.max_position_embeddings == context
+    assert config.rope_scaling["original_max_position_embeddings"] == original

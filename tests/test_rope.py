@@ -96,6 +96,52 @@ def test_llama3_rope_scaling_rule():
     assert ((scaled_freq[mid] < plain_freq[mid]) & (scaled_freq[mid] > plain_freq[mid] / 8)).all()
 
 
+def transformers_cos_sin(kind: str, parameters: dict, dim: int, max_position: int, seq_len: int | None = None):
+    """cos and sin of position p by transformers' own rope functions: [positions, dim / 2] each."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim, max_position_embeddings=max_position,
+                         rope_parameters={"rope_type": kind, "rope_theta": 10000.0, **parameters})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=seq_len)
+    angles = torch.outer(torch.arange(seq_len or max_position).float(), inv_freq.float())
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+@pytest.mark.parametrize("parameters", [dict(factor=4.0, original_max_position_embeddings=512),
+                                        dict(factor=8.0, original_max_position_embeddings=256, beta_fast=16, beta_slow=2),
+                                        dict(factor=4.0, original_max_position_embeddings=512, attention_factor=1.3),
+                                        dict(factor=4.0, original_max_position_embeddings=512, mscale=1.0,
+                                             mscale_all_dim=0.5),
+                                        dict(factor=4.0, original_max_position_embeddings=512, truncate=False)],
+                         ids=["default", "betas", "attention_factor", "mscale", "no-truncate"])
+def test_yarn_table_matches_transformers(parameters):
+    """YaRN: the ramp between kept and divided frequencies, and cos and sin times the attention
+    factor, as transformers computes them (over the whole scaled context)."""
+    dim = 64
+    context = int(parameters["original_max_position_embeddings"] * parameters["factor"])
+    cos, sin = transformers_cos_sin("yarn", parameters, dim, context)
+    cache = ops.compute_cos_sin_cache(dim, context, base=10000.0, rope_scaling={"rope_type": "yarn", **parameters})
+    plain = ops.compute_cos_sin_cache(dim, context, base=10000.0)
+    assert (cache - plain).abs().max() > 0.1  # the scaling changes the table
+    torch.testing.assert_close(cache[:, : dim // 2], cos, rtol=0, atol=2e-4)
+    torch.testing.assert_close(cache[:, dim // 2 :], sin, rtol=0, atol=2e-4)
+
+
+def test_dynamic_ntk_table_is_transformers_at_the_scaled_context():
+    """Dynamic NTK as vLLM does it: one base for the whole scaled context (the original one
+    times factor), which is the base transformers computes once a sequence reaches that length.
+    (Within the original context transformers keeps the unscaled base, so the two differ there.)"""
+    dim, original, factor = 64, 256, 4.0
+    cos, sin = transformers_cos_sin("dynamic", dict(factor=factor), dim, original, seq_len=int(original * factor))
+    scaling = {"rope_type": "dynamic", "factor": factor, "original_max_position_embeddings": original}
+    cache = ops.compute_cos_sin_cache(dim, int(original * factor), base=10000.0, rope_scaling=scaling)
+    torch.testing.assert_close(cache[:, : dim // 2], cos, rtol=0, atol=2e-4)
+    torch.testing.assert_close(cache[:, dim // 2 :], sin, rtol=0, atol=2e-4)
+    base = 10000.0 * (factor * factor - (factor - 1)) ** (dim / (dim - 2))  # vLLM's formula, by hand
+    assert abs(math.atan2(cache[1, dim // 2 + 1], cache[1, 1]) - base ** (-2 / dim)) < 1e-6
+
+
 def test_rotary_embedding_rejects_bad_input():
     q = torch.randn(4, 2 * 64)
     k = torch.randn(4, 64)

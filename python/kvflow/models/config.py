@@ -104,6 +104,17 @@ class ModelConfig:
             if kind not in SUPPORTED_ROPE_SCALING:
                 raise ValueError(f"model config: unsupported rope_scaling type {kind!r} "
                                  f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+        max_position = config.get("max_position_embeddings", 4096)
+        kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind in ("yarn", "dynamic"):
+            if not rope_scaling.get("factor"):
+                raise ValueError(f"model config: {kind} rope scaling needs a 'factor'")
+            # YaRN's original context is its own field (max_position_embeddings when absent);
+            # dynamic NTK's is max_position_embeddings (transformers' rule). The table covers the
+            # scaled context, as vLLM sizes it: the original one times factor.
+            original = rope_scaling.get("original_max_position_embeddings") if kind == "yarn" else None
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": original or max_position}
+            max_position = max(max_position, int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"]))
         eos = config.get("eos_token_id")
         sliding_window = config.get("sliding_window")
         if config.get("use_sliding_window") is False:  # Qwen2 carries a window it does not use
@@ -125,7 +136,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_position,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,

@@ -5,7 +5,7 @@ import math
 import torch
 
 
-SUPPORTED_ROPE_SCALING = ("llama3", "linear")  # rope_scaling types compute_cos_sin_cache implements
+SUPPORTED_ROPE_SCALING = ("llama3", "linear", "yarn", "dynamic")  # the rope_scaling types compute_cos_sin_cache implements
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -24,6 +24,49 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by `factor`, those that turn more than beta_fast times are kept, with a linear ramp
+    between; cos and sin are then multiplied by the attention factor (0.1 ln(factor) + 1 by
+    default). Returns (inv_freq, attention_factor)."""
+    factor = scaling["factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention_factor = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def dimension_turning(rotations: float) -> float:  # the dimension whose frequency turns this often
+        return rotary_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor
+
+
+def _dynamic_ntk_base(rotary_dim: int, base: float, scaling: dict, max_position: int) -> float:
+    """Dynamic NTK as vLLM applies it: one base for the whole scaled context (max_position, the
+    original context times factor), the base transformers uses once a sequence reaches that
+    length (transformers changes the base with the length; within the original context it keeps
+    the original one)."""
+    factor = scaling["factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    return base * (factor * max_position / old_context - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
 def compute_cos_sin_cache(
     rotary_dim: int,
     max_position: int,
@@ -37,27 +80,34 @@ def compute_cos_sin_cache(
     with f_i = base^(-2i / rotary_dim) for i < rotary_dim / 2. Computed in float64.
 
     rope_scaling: None, {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"} or {"rope_type": "linear", "factor"}.
+    "original_max_position_embeddings"}, {"rope_type": "linear", "factor"}, {"rope_type": "yarn",
+    "factor", "original_max_position_embeddings", optional "beta_fast", "beta_slow",
+    "attention_factor", "mscale", "mscale_all_dim", "truncate"} or {"rope_type": "dynamic",
+    "factor", "original_max_position_embeddings"} (max_position then being the scaled context).
     freq_factors [rotary_dim / 2]: divisors of each frequency, as GGUF files store Llama 3 scaling.
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+    rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type not in (None, "default", *SUPPORTED_ROPE_SCALING):
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    if rope_type == "dynamic":
+        base = _dynamic_ntk_base(rotary_dim, base, rope_scaling, max_position)
     inv_freq = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     positions = torch.arange(max_position, dtype=torch.float64)
     if freq_factors is not None:
         if freq_factors.shape != inv_freq.shape:
             raise ValueError(f"freq_factors must have shape {tuple(inv_freq.shape)}, got {tuple(freq_factors.shape)}")
         inv_freq = inv_freq / freq_factors.to(inv_freq)
-    if rope_scaling is not None:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type == "linear":
-            positions = positions / rope_scaling["factor"]
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    magnitude = 1.0  # YaRN's attention factor, on cos and sin
+    if rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type == "linear":
+        positions = positions / rope_scaling["factor"]
+    elif rope_type == "yarn":
+        inv_freq, magnitude = _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
     angles = torch.outer(positions, inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude).to(dtype=dtype, device=device)
 
 
 def rotary_embedding(
