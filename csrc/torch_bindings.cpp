@@ -25,6 +25,9 @@ TORCH_LIBRARY(kvflow, m) {
   m.def(
       "fused_add_rms_norm(Tensor! input, Tensor! residual, Tensor weight, float epsilon, "
       "float weight_offset=0.0) -> ()");
+  // residual += rms_norm(input) (the norm rounded to its dtype first): a post-norm and its residual add.
+  m.def(
+      "rms_norm_add(Tensor! residual, Tensor input, Tensor weight, float epsilon, float weight_offset=0.0) -> ()");
   // Rotates query and key in place by the angles cos_sin_cache[positions] (cos half, then sin half).
   m.def(
       "rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, "
@@ -74,6 +77,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("embedding", &kvflow::cpu::embedding);
   m.impl("rms_norm", &kvflow::cpu::rms_norm);
   m.impl("fused_add_rms_norm", &kvflow::cpu::fused_add_rms_norm);
+  m.impl("rms_norm_add", &kvflow::cpu::rms_norm_add);
   m.impl("rotary_embedding", &kvflow::cpu::rotary_embedding);
   m.impl("silu_and_mul", &kvflow::cpu::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &kvflow::cpu::gelu_tanh_and_mul);
@@ -96,6 +100,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("embedding", &kvflow::cuda::embedding);
   m.impl("rms_norm", &kvflow::cuda::rms_norm);
   m.impl("fused_add_rms_norm", &kvflow::cuda::fused_add_rms_norm);
+  m.impl("rms_norm_add", &kvflow::cuda::rms_norm_add);
   m.impl("rotary_embedding", &kvflow::cuda::rotary_embedding);
   m.impl("silu_and_mul", &kvflow::cuda::silu_and_mul);
   m.impl("gelu_tanh_and_mul", &kvflow::cuda::gelu_tanh_and_mul);

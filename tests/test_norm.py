@@ -1,4 +1,4 @@
-"""rms_norm and fused_add_rms_norm against a few lines of float32 PyTorch."""
+"""rms_norm, fused_add_rms_norm and rms_norm_add against a few lines of float32 PyTorch."""
 
 import pytest
 import torch
@@ -98,6 +98,41 @@ def test_fused_add_rms_norm_strided_input(device, dtype):
     assert torch.equal(wide[:, :100], untouched)
 
 
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_add(device, num_tokens, hidden, dtype):
+    """residual += rms_norm(x): the norm rounded to the dtype, then the sum rounded (an unfused
+    rms_norm then add). Hidden sizes past the kernel's 256-wide chunks, with a ragged end."""
+    torch.manual_seed(num_tokens * 3 + hidden)
+    x = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    residual = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, dtype=dtype, device=device)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed = reference_rms_norm(x, w, 1e-6, 0.5).to(dtype)
+    expected = (residual.float() + normed.float()).to(dtype)
+    ops.rms_norm_add(residual, x, w, 1e-6, weight_offset=0.5)
+    assert torch.equal(x, x_before)
+    # Where the sum cancels, a norm that rounded the other way (float32 noise) moves it by an ulp
+    # of the norm, not of the sum: the bound is relative to the terms.
+    relative = {torch.float32: 1e-5, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}[dtype]
+    bound = relative * (residual_before.float().abs() + normed.float().abs()) + 1e-6
+    assert ((residual.float() - expected.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_add_strided_rows(device, dtype):
+    wide = torch.randn(83, 1000, dtype=dtype, device=device)
+    residual = wide[:, 100:869]
+    x = torch.randn(83, 2000, dtype=dtype, device=device)[:, 7:776]
+    w = torch.randn(769, dtype=dtype, device=device)
+    untouched = wide[:, :100].clone()
+    expected = (residual.float() + reference_rms_norm(x, w, 1e-6).to(dtype).float()).to(dtype)
+    ops.rms_norm_add(residual, x, w, 1e-6)
+    assert_close(wide[:, 100:869], expected, dtype)
+    assert torch.equal(wide[:, :100], untouched)
+
+
 def test_rms_norm_rejects_bad_input():
     x = torch.randn(4, 64)
     w = torch.randn(64)
@@ -113,5 +148,9 @@ def test_rms_norm_rejects_bad_input():
         ops.fused_add_rms_norm(x, torch.randn(3, 64), w)
     with pytest.raises(RuntimeError, match="epsilon must be positive"):
         ops.rms_norm(x, w, epsilon=0.0)
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        ops.rms_norm_add(torch.randn(3, 64), x, w)
+    with pytest.raises(RuntimeError, match="residual has dtype"):
+        ops.rms_norm_add(x.half(), x, w)
     with pytest.raises(RuntimeError, match="input must have unit stride in its last dimension"):
         ops.rms_norm(torch.randn(64, 4).t(), w)

@@ -36,6 +36,7 @@ const std::unordered_map<std::string, NodeFactory>& node_factories() {
       {"embedding", &make_embedding_node},
       {"rms_norm", &make_rms_norm_node},
       {"fused_add_rms_norm", &make_fused_add_rms_norm_node},
+      {"rms_norm_add", &make_rms_norm_add_node},
       {"rotary_embedding", &make_rotary_embedding_node},
       {"silu_and_mul", &make_gated_activation_node},
       {"gelu_and_mul", &make_gated_activation_node},

@@ -1,4 +1,4 @@
-// rms_norm and fused_add_rms_norm on the CPU: checks, then rows split across threads.
+// rms_norm, fused_add_rms_norm and rms_norm_add on the CPU: checks, then rows split across threads.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -27,26 +27,39 @@ void for_each_run(const RowView& x, const RowView& y, int64_t element_size, int6
   }
 }
 
-// rms_norm (out, input) or fused_add_rms_norm (input, residual) as a program node.
+// The three norm ops as a program node. Tensors 0 and 1 are rms_norm's (out, input),
+// fused_add_rms_norm's (input, residual) and rms_norm_add's (residual, input).
+enum class NormKind { kNorm, kFusedAdd, kNormAdd };
+
 class NormNode final : public OpNode {
  public:
-  NormNode(const NodeArgs& args, bool fused)
-      : x_(args.tensor(0)), y_(args.tensor(1)), weight_(args.tensor(2)), fused_(fused) {
-    const char* x_name = fused ? "input" : "out";
-    const char* y_name = fused ? "residual" : "input";
-    check_device_type(x_, x_name, c10::DeviceType::CPU);
+  NormNode(const NodeArgs& args, NormKind kind)
+      : a_(args.tensor(0)), b_(args.tensor(1)), weight_(args.tensor(2)), kind_(kind) {
     epsilon_ = float(args.real(0));
     weight_offset_ = float(args.real(1));
     // check_norm_args takes the tensor the rows are read from first
-    geometry_ = fused ? check_norm_args(x_, x_name, y_, y_name, weight_, args.real(0))
-                      : check_norm_args(y_, y_name, x_, x_name, weight_, args.real(0), /*grouped=*/true);
-    share_ = RowShare::of(x_, geometry_.x.rows);
+    switch (kind) {
+      case NormKind::kNorm:
+        check_device_type(a_, "out", c10::DeviceType::CPU);
+        geometry_ = check_norm_args(b_, "input", a_, "out", weight_, args.real(0), /*grouped=*/true);
+        break;
+      case NormKind::kFusedAdd:
+        check_device_type(a_, "input", c10::DeviceType::CPU);
+        geometry_ = check_norm_args(a_, "input", b_, "residual", weight_, args.real(0));
+        break;
+      case NormKind::kNormAdd:
+        check_device_type(a_, "residual", c10::DeviceType::CPU);
+        geometry_ = check_norm_args(b_, "input", a_, "residual", weight_, args.real(0));
+        break;
+    }
+    share_ = RowShare::of(a_, geometry_.x.rows);
   }
 
   void configure(int64_t) override {
     const KernelTable& kernels = active_kernels();
     rms_norm_ = kernels.rms_norm[int(geometry_.dtype)];
     fused_add_ = kernels.fused_add_rms_norm[int(geometry_.dtype)];
+    norm_add_ = kernels.rms_norm_add[int(geometry_.dtype)];
   }
 
   int64_t units(int) const override { return share_.units; }
@@ -55,36 +68,51 @@ class NormNode final : public OpNode {
     const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin >= rows.end) return;
     const int64_t width = geometry_.x.width;
-    if (fused_) {
-      fused_add_(x_.data_ptr(), geometry_.x.stride, y_.data_ptr(), geometry_.y.stride, weight_.data_ptr(), width,
-                 epsilon_, weight_offset_, rows.begin, rows.end);
-    } else {  // geometry_.x is the input's rows, geometry_.y the output's
-      char* out = static_cast<char*>(x_.data_ptr());
-      const char* in = static_cast<const char*>(y_.data_ptr());
-      for_each_run(geometry_.x, geometry_.y, x_.element_size(), rows.begin, rows.end,
-                   [&](int64_t in_offset, int64_t out_offset, int64_t count) {
-                     rms_norm_(out + out_offset, geometry_.y.stride, in + in_offset, geometry_.x.stride,
-                               weight_.data_ptr(), width, epsilon_, weight_offset_, 0, count);
-                   });
+    switch (kind_) {
+      case NormKind::kFusedAdd:
+        fused_add_(a_.data_ptr(), geometry_.x.stride, b_.data_ptr(), geometry_.y.stride, weight_.data_ptr(), width,
+                   epsilon_, weight_offset_, rows.begin, rows.end);
+        break;
+      case NormKind::kNormAdd:  // geometry_.x is the input's rows, geometry_.y the residual's
+        norm_add_(a_.data_ptr(), geometry_.y.stride, b_.data_ptr(), geometry_.x.stride, weight_.data_ptr(), width,
+                  epsilon_, weight_offset_, rows.begin, rows.end);
+        break;
+      case NormKind::kNorm: {  // geometry_.x is the input's rows, geometry_.y the output's
+        char* out = static_cast<char*>(a_.data_ptr());
+        const char* in = static_cast<const char*>(b_.data_ptr());
+        for_each_run(geometry_.x, geometry_.y, a_.element_size(), rows.begin, rows.end,
+                     [&](int64_t in_offset, int64_t out_offset, int64_t count) {
+                       rms_norm_(out + out_offset, geometry_.y.stride, in + in_offset, geometry_.x.stride,
+                                 weight_.data_ptr(), width, epsilon_, weight_offset_, 0, count);
+                     });
+        break;
+      }
     }
   }
 
  private:
-  at::Tensor x_, y_, weight_;  // rms_norm: out, input; fused_add_rms_norm: input, residual
-  bool fused_;
+  at::Tensor a_, b_, weight_;
+  NormKind kind_;
   float epsilon_ = 0, weight_offset_ = 0;
   NormGeometry geometry_{};
   RowShare share_;
   RmsNormFn rms_norm_ = nullptr;
   FusedAddRmsNormFn fused_add_ = nullptr;
+  RmsNormFn norm_add_ = nullptr;
 };
 
 }  // namespace
 
-std::unique_ptr<OpNode> make_rms_norm_node(const NodeArgs& args) { return std::make_unique<NormNode>(args, false); }
+std::unique_ptr<OpNode> make_rms_norm_node(const NodeArgs& args) {
+  return std::make_unique<NormNode>(args, NormKind::kNorm);
+}
 
 std::unique_ptr<OpNode> make_fused_add_rms_norm_node(const NodeArgs& args) {
-  return std::make_unique<NormNode>(args, true);
+  return std::make_unique<NormNode>(args, NormKind::kFusedAdd);
+}
+
+std::unique_ptr<OpNode> make_rms_norm_add_node(const NodeArgs& args) {
+  return std::make_unique<NormNode>(args, NormKind::kNormAdd);
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double epsilon,
@@ -113,6 +141,20 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
   const void* w_ptr = weight.data_ptr();
   at::parallel_for(0, g.x.rows, rows_per_task(g.x.width), [&](int64_t begin, int64_t end) {
     kernel(in_ptr, g.x.stride, res_ptr, g.y.stride, w_ptr, g.x.width, float(epsilon), float(weight_offset), begin,
+           end);
+  });
+}
+
+void rms_norm_add(at::Tensor& residual, const at::Tensor& input, const at::Tensor& weight, double epsilon,
+                  double weight_offset) {
+  check_device_type(residual, "residual", c10::DeviceType::CPU);
+  const NormGeometry g = check_norm_args(input, "input", residual, "residual", weight, epsilon);
+  const RmsNormFn kernel = active_kernels().rms_norm_add[int(g.dtype)];
+  void* res_ptr = residual.data_ptr();
+  const void* in_ptr = input.data_ptr();
+  const void* w_ptr = weight.data_ptr();
+  at::parallel_for(0, g.x.rows, rows_per_task(g.x.width), [&](int64_t begin, int64_t end) {
+    kernel(res_ptr, g.y.stride, in_ptr, g.x.stride, w_ptr, g.x.width, float(epsilon), float(weight_offset), begin,
            end);
   });
 }

@@ -137,6 +137,7 @@ struct RowShare {
 std::unique_ptr<OpNode> make_embedding_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_rms_norm_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_fused_add_rms_norm_node(const NodeArgs& args);
+std::unique_ptr<OpNode> make_rms_norm_add_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_rotary_embedding_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_gated_activation_node(const NodeArgs& args);  // silu/gelu/gelu_tanh_and_mul
 std::unique_ptr<OpNode> make_reshape_and_cache_node(const NodeArgs& args);

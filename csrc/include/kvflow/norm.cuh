@@ -1,4 +1,5 @@
-// RMSNorm on the GPU, plain and fused with the residual add. One thread block per row; each
+// RMSNorm on the GPU, plain, fused with the residual add before it, and added into the residual
+// after it (rms_norm_add). One thread block per row; each
 // thread accumulates the squares of its elements in float32, a block sum combines them, and a
 // second pass scales and rounds once. Rows move in 16-byte packs when every pointer, row
 // stride and the hidden size allow it, element by element otherwise. Torch-free.
@@ -133,6 +134,53 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   }
 }
 
+// residual += round(rms_norm(input)): the norm rounded to T first, so the result equals an
+// unfused rms_norm then add in T.
+template <typename T, bool kPacked>
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_add_kernel(T* residual,        // [rows, hidden], row stride res_stride
+                        int64_t res_stride,
+                        const T* input,     // [rows, hidden], row stride in_stride
+                        int64_t in_stride,
+                        const T* weight,    // [hidden]
+                        int64_t hidden, float eps, float weight_offset) {
+  const T* x = input + int64_t(blockIdx.x) * in_stride;
+  T* res = residual + int64_t(blockIdx.x) * res_stride;
+  float sum = 0.f;
+  if constexpr (kPacked) {
+    constexpr int N = Pack<T>::kSize;
+    const int64_t packs = hidden / N;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<T> v = load_pack(x + p * N);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float f = load_float(v.v[j]);
+        sum += f * f;
+      }
+    }
+    const float scale = rms_scale(sum, hidden, eps);
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<T> v = load_pack(x + p * N);
+      const Pack<T> w = load_pack(weight + p * N);
+      Pack<T> r = load_pack(res + p * N);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        r.v[j] = store_float<T>(load_float(r.v[j]) + load_float(scaled(v.v[j], w.v[j], scale, weight_offset)));
+      }
+      store_pack(res + p * N, r);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const float f = load_float(x[i]);
+      sum += f * f;
+    }
+    const float scale = rms_scale(sum, hidden, eps);
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+      res[i] = store_float<T>(load_float(res[i]) + load_float(scaled(x[i], weight[i], scale, weight_offset)));
+    }
+  }
+}
+
 // out[r, :] = input[r, :] * rsqrt(mean(input[r, :]^2) + eps) * (weight + weight_offset)
 template <typename T>
 cudaError_t rms_norm(T* out,             // [rows, hidden], row stride out_stride
@@ -182,6 +230,29 @@ cudaError_t fused_add_rms_norm(T* input,      // [rows, hidden], row stride in_s
     fused_add_rms_norm_kernel<T, false><<<unsigned(rows), threads, 0, stream>>>(input, in_stride, residual,
                                                                                  res_stride, weight, hidden, eps,
                                                                                  weight_offset);
+  }
+  return cudaGetLastError();
+}
+
+// residual[r, :] += rms_norm(input[r, :]) * (weight + weight_offset), the norm rounded to T first
+template <typename T>
+cudaError_t rms_norm_add(T* residual,       // [rows, hidden], row stride res_stride
+                         int64_t res_stride,
+                         const T* input,    // [rows, hidden], row stride in_stride
+                         int64_t in_stride,
+                         const T* weight,   // [hidden]
+                         int64_t rows, int64_t hidden, float eps, float weight_offset, cudaStream_t stream) {
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidValue;
+  const bool packed = pack_aligned(residual, res_stride, hidden, sizeof(T)) &&
+                      pack_aligned(input, in_stride, hidden, sizeof(T)) && pack_aligned(weight, 0, hidden, sizeof(T));
+  const unsigned threads = threads_for(packed ? hidden / Pack<T>::kSize : hidden, kNormMaxThreads);
+  if (packed) {
+    rms_norm_add_kernel<T, true><<<unsigned(rows), threads, 0, stream>>>(residual, res_stride, input, in_stride,
+                                                                          weight, hidden, eps, weight_offset);
+  } else {
+    rms_norm_add_kernel<T, false><<<unsigned(rows), threads, 0, stream>>>(residual, res_stride, input, in_stride,
+                                                                           weight, hidden, eps, weight_offset);
   }
   return cudaGetLastError();
 }

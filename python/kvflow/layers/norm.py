@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it or follows it."""
 
 import torch
 from torch import nn
@@ -29,5 +29,10 @@ class RMSNorm(nn.Module):
         (QK-norm over the heads of q|k|v)."""
         torch.ops.kvflow.rms_norm(x, x, self.weight, self.eps, self.weight_offset)
         return x
+
+    def add_to_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += rms_norm(x), in place (a post-norm and its residual add: OLMo 2)."""
+        torch.ops.kvflow.rms_norm_add(residual, x, self.weight, self.eps, self.weight_offset)
+        return residual
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

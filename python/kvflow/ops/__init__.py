@@ -6,7 +6,7 @@ from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
 from kvflow.ops.embedding import embedding
 from kvflow.ops.linear import linear, pack_linear_weight, packed_linear, packed_silu_and_mul, small_linear
-from kvflow.ops.norm import fused_add_rms_norm, rms_norm
+from kvflow.ops.norm import fused_add_rms_norm, rms_norm, rms_norm_add
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
 from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample
 
@@ -39,6 +39,7 @@ __all__ = [
     "cpu_isa",
     "embedding",
     "fused_add_rms_norm",
+    "rms_norm_add",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
     "linear",

@@ -1,4 +1,4 @@
-"""RMSNorm, plain and fused with the residual add."""
+"""RMSNorm, plain, fused with the residual add before it, and added into the residual after it."""
 
 import torch
 
@@ -37,6 +37,22 @@ def fused_add_rms_norm(
     return input, residual
 
 
+def rms_norm_add(
+    residual: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    epsilon: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """In place: residual += rms_norm(input) * (weight + weight_offset), the norm rounded to the
+    dtype first (an unfused rms_norm then add): a post-norm and its residual add (OLMo 2).
+
+    residual, input [..., hidden], rows may be strided; weight [hidden]. Returns residual.
+    """
+    torch.ops.kvflow.rms_norm_add(residual, input, weight, epsilon, weight_offset)
+    return residual
+
+
 @torch.library.register_fake("kvflow::rms_norm")
 def _rms_norm_fake(out, input, weight, epsilon, weight_offset=0.0):
     return None
@@ -44,4 +60,9 @@ def _rms_norm_fake(out, input, weight, epsilon, weight_offset=0.0):
 
 @torch.library.register_fake("kvflow::fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, epsilon, weight_offset=0.0):
+    return None
+
+
+@torch.library.register_fake("kvflow::rms_norm_add")
+def _rms_norm_add_fake(residual, input, weight, epsilon, weight_offset=0.0):
     return None

@@ -151,6 +151,7 @@ struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
   FusedAddRmsNormFn fused_add_rms_norm[kNumDTypes];
+  RmsNormFn rms_norm_add[kNumDTypes];  // out += round(rms_norm(input)): out is the residual
   // [query dtype][cos_sin is float32 ? 0 : 1 (same dtype as the query)]
   RotaryFn rotary_embedding[kNumDTypes][2];
   GatedActivationFn silu_and_mul[kNumDTypes];

@@ -53,6 +53,9 @@ KernelTable make_kernel_table(const char* isa) {
   t.fused_add_rms_norm[int(DType::kFloat32)] = fused_add_rms_norm<V, float>;
   t.fused_add_rms_norm[int(DType::kFloat16)] = fused_add_rms_norm<V, float16>;
   t.fused_add_rms_norm[int(DType::kBFloat16)] = fused_add_rms_norm<V, bfloat16>;
+  t.rms_norm_add[int(DType::kFloat32)] = rms_norm_add<V, float>;
+  t.rms_norm_add[int(DType::kFloat16)] = rms_norm_add<V, float16>;
+  t.rms_norm_add[int(DType::kBFloat16)] = rms_norm_add<V, bfloat16>;
   t.rotary_embedding[int(DType::kFloat32)][0] = rotary_embedding<V, float, float>;
   t.rotary_embedding[int(DType::kFloat32)][1] = rotary_embedding<V, float, float>;
   t.rotary_embedding[int(DType::kFloat16)][0] = rotary_embedding<V, float16, float>;

@@ -1,4 +1,4 @@
-// rms_norm and fused_add_rms_norm on the CPU, over a vector type V and an element type T (the
+// rms_norm, fused_add_rms_norm and rms_norm_add on the CPU, over a vector type V and an element type T (the
 // twin of kvflow/norm.cuh).
 // Included by kernels.h, inside each instruction set's translation unit: everything sits in an
 // unnamed namespace (see kernels.h).
@@ -81,6 +81,29 @@ void fused_add_rms_norm(void* input, int64_t in_stride, void* residual, int64_t 
     for (; i < hidden; ++i) res[i] = from_float<T>(to_float(x[i]) + to_float(res[i]));
     const float scale = 1.f / std::sqrt(sum_of_squares<V>(res, hidden) / float(hidden) + eps);
     scale_by_weight<V>(x, res, static_cast<const T*>(weight), hidden, scale, weight_offset);
+  }
+}
+
+// residual += round(rms_norm(x)): the norm rounded to T first, so the result equals an unfused
+// rms_norm followed by the add in T (the post-norms of OLMo 2).
+template <class V, typename T>
+void rms_norm_add(void* residual, int64_t res_stride, const void* input, int64_t in_stride, const void* weight,
+                  int64_t hidden, float eps, float weight_offset, int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  constexpr int64_t kChunk = 256;  // normed in a buffer that stays in L1, then added
+  static_assert(kChunk % W == 0);
+  T normed[kChunk];
+  for (int64_t r = begin; r < end; ++r) {
+    const T* x = static_cast<const T*>(input) + r * in_stride;
+    T* res = static_cast<T*>(residual) + r * res_stride;
+    const float scale = 1.f / std::sqrt(sum_of_squares<V>(x, hidden) / float(hidden) + eps);
+    for (int64_t c = 0; c < hidden; c += kChunk) {
+      const int64_t n = std::min(kChunk, hidden - c);
+      scale_by_weight<V>(normed, x + c, static_cast<const T*>(weight) + c, n, scale, weight_offset);
+      int64_t i = 0;
+      for (; i + W <= n; i += W) V::store(res + c + i, V::add(V::load(res + c + i), V::load(normed + i)));
+      for (; i < n; ++i) res[c + i] = from_float<T>(to_float(res[c + i]) + to_float(normed[i]));
+    }
   }
 }
 
