@@ -1,7 +1,8 @@
 """The CPU executor (kvflow._C.CpuProgram, captured by kvflow.engine.cpu_programs): a decode step
 replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
 and every KV cache), for every layer kind (Qwen3's QK-norm, SmolLM3's layers without rope and
-Gemma's scaled embeddings and (1 + w) norms among them), at 1, 2 and 3 threads and on every instruction set;
+Gemma's scaled embeddings and (1 + w) norms, Gemma 2's sandwich norms and soft caps, Gemma 3's two
+rotations among them), at 1, 2 and 3 threads and on every instruction set;
 and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
 cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
 executor too. A bad step is refused before any node writes."""
@@ -19,7 +20,10 @@ from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.layers import Linear, RMSNorm
 from kvflow.models.config import ModelConfig
 from kvflow.models.gemma import GemmaForCausalLM
+from kvflow.models.gemma2 import Gemma2ForCausalLM
+from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 BLOCK = 16
@@ -32,6 +36,17 @@ VARIANTS = {
     "qwen3_qk_norm": {},  # Qwen3ForCausalLM: an RMS norm over each head of q and k
     "no_rope_layer": {"layer_uses_rope": [True, False]},  # SmolLM3's NoPE layers
     "gemma": {"hidden_act": "gelu_pytorch_tanh"},  # GemmaForCausalLM: scaled embeddings, (1 + w) norms
+    # Gemma2ForCausalLM: norms after each sublayer too, query_pre_attn_scalar, caps on both logits
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh", "attention_scale": 256 ** -0.5, "layer_sliding_windows": [24, None],
+               "attention_logit_soft_cap": 5.0, "final_logit_soft_cap": 5.0},
+    # Gemma3ForCausalLM: (1 + w) QK-norm, the windowed layer rotating with its own base, linear
+    # scaling on the other only
+    "gemma3": {"hidden_act": "gelu_pytorch_tanh", "layer_sliding_windows": [24, None], "local_rope_theta": 100.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "final_logit_soft_cap": 5.0},
+    "olmo2": {},  # Olmo2ForCausalLM: norms after each sublayer added into the stream, QK-norm over all heads
+    # Granite's multipliers (its residual one is folded into the weights at load, which these
+    # models skip: see tests/test_hf_checkpoints.py)
+    "granite": {"attention_scale": 0.05, "embedding_multiplier": 3.0, "logits_scaling": 2.5},
 }
 
 
@@ -40,7 +55,8 @@ def small_model(dtype, variant="llama", tie=False):
                          num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
                          rope_theta=10000.0, tie_word_embeddings=tie, **VARIANTS[variant])
     torch.manual_seed(0)
-    graph = {"qwen3_qk_norm": Qwen3ForCausalLM, "gemma": GemmaForCausalLM}.get(variant, LlamaForCausalLM)
+    graph = {"qwen3_qk_norm": Qwen3ForCausalLM, "gemma": GemmaForCausalLM, "olmo2": Olmo2ForCausalLM,
+             "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM}.get(variant, LlamaForCausalLM)
     model = graph(config, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -141,7 +157,23 @@ def reference_logits(model, ids, md, kv):
     act = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}[
         config.hidden_act]
 
-    offset = model.layer_class.norm_weight_offset  # Gemma: (1 + w)
+    offset = getattr(model.layer_class, "norm_weight_offset", 0.0)  # Gemma: (1 + w)
+    post_norms = isinstance(model, Olmo2ForCausalLM)  # OLMo 2: stream += norm(sublayer(stream))
+    scale = config.attention_scale or 1 / math.sqrt(d)
+    sandwich_norms = isinstance(model, Gemma2ForCausalLM)  # Gemma 2 and 3: a norm on each sublayer's output
+    qk_offset = 1.0 if isinstance(model, Gemma3ForCausalLM) else 0.0  # Gemma 3's QK-norm: (1 + w)
+
+    def soft_cap(x, cap):
+        return x if cap is None else cap * torch.tanh(x / cap)
+
+    def rotation(i):
+        """cos, sin [tokens, d / 2]: Gemma 3's windowed layers rotate with local_rope_theta, unscaled."""
+        local = config.local_rope_theta is not None and config.sliding_window_of(i) is not None
+        base = config.local_rope_theta if local else config.rope_theta
+        assert config.rope_scaling is None or config.rope_scaling["rope_type"] == "linear"
+        factor = 1.0 if local or config.rope_scaling is None else config.rope_scaling["factor"]
+        angles = torch.outer(positions.double() / factor, base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d))
+        return angles.cos().float(), angles.sin().float()
 
     def rms(x, w, offset=0.0):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * (w.float() + offset)
@@ -154,13 +186,15 @@ def reference_logits(model, ids, md, kv):
     hidden = torch.zeros_like(residual)
     for i, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv)):
         residual = residual + hidden
-        x = rms(residual, layer.input_layernorm.weight, offset)
+        x = residual if post_norms else rms(residual, layer.input_layernorm.weight, offset)
         attn = layer.self_attn
         q, k, v = linear(x, attn.qkv_proj).split([attn.q_size, attn.kv_size, attn.kv_size], -1)
-        if hasattr(attn, "q_norm"):  # QK-norm: each head on its own
-            q = rms(q.view(len(positions), heads, d), attn.q_norm.weight).reshape(len(positions), -1)
-            k = rms(k.view(len(positions), kv_heads, d), attn.k_norm.weight).reshape(len(positions), -1)
-        cos, sin = model.layers[0].self_attn.rotary.cos_sin_cache[positions].chunk(2, -1)
+        if post_norms:  # OLMo 2's QK-norm: all heads together
+            q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+        elif hasattr(attn, "q_norm"):  # QK-norm: each head on its own
+            q = rms(q.view(len(positions), heads, d), attn.q_norm.weight, qk_offset).reshape(len(positions), -1)
+            k = rms(k.view(len(positions), kv_heads, d), attn.k_norm.weight, qk_offset).reshape(len(positions), -1)
+        cos, sin = rotation(i)
 
         def rotate(t, n):
             a, b = t.view(len(positions), n, d).chunk(2, -1)
@@ -183,15 +217,27 @@ def reference_logits(model, ids, md, kv):
                 keys, values = keys[-window:], values[-window:]
             keys = keys.repeat_interleave(heads // kv_heads, 1)
             values = values.repeat_interleave(heads // kv_heads, 1)
-            scores = torch.einsum("hd,khd->hk", q[b], keys) / math.sqrt(d)
+            scores = soft_cap(torch.einsum("hd,khd->hk", q[b], keys) * scale, config.attention_logit_soft_cap)
             outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1))
-        residual = residual + linear(torch.stack(outputs), attn.o_proj)
+        attended = linear(torch.stack(outputs), attn.o_proj)
+        if post_norms:
+            residual = residual + rms(attended, layer.post_attention_layernorm.weight)
+            gate, up = linear(residual, layer.mlp.gate_up_proj).chunk(2, -1)
+            hidden = rms(linear(act(gate) * up, layer.mlp.down_proj), layer.post_feedforward_layernorm.weight)
+            continue
+        if sandwich_norms:
+            residual = residual + rms(attended, layer.post_attention_layernorm.weight, offset)
+            x = rms(residual, layer.pre_feedforward_layernorm.weight, offset)
+            gate, up = linear(x, layer.mlp.gate_up_proj).chunk(2, -1)
+            hidden = rms(linear(act(gate) * up, layer.mlp.down_proj), layer.post_feedforward_layernorm.weight, offset)
+            continue
+        residual = residual + attended
         x = rms(residual, layer.post_attention_layernorm.weight, offset)
         gate, up = linear(x, layer.mlp.gate_up_proj).chunk(2, -1)
         hidden = linear(act(gate) * up, layer.mlp.down_proj)
     x = rms(residual + hidden, model.norm.weight, offset)
     head = model.lm_head.tied_to.weight if model.lm_head.tied_to is not None else model.lm_head.weight
-    return F.linear(x, head.float())
+    return soft_cap(F.linear(x, head.float()) / config.logits_scaling, config.final_logit_soft_cap)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -272,6 +318,9 @@ class QKNormGeluModel(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
+
+    def adjust_logits(self, logits):
+        return logits
 
 
 def test_a_layer_written_in_python_only_runs_through_the_executor(threads):

@@ -5,7 +5,9 @@ biases, tied or untied embeddings, a sliding window on the upper layers only), Q
 tied or untied, with attention biases, with a window on the upper layers), SmolLM3 (layers
 without rope), Mistral (a window on
 every layer), and Llama with attention biases (q/k/v and o_proj), MLP biases, and GELU (erf and
-tanh) MLPs; and Qwen2 and Qwen3 as qwen2 and qwen3 GGUF files."""
+tanh) MLPs, Gemma 2 (sandwich norms, soft caps, alternating windows), Gemma 3 (QK-norm, two rope
+bases, rope scaling on the global layers only); and Qwen2, Qwen3, Gemma 2 and Gemma 3 as qwen2,
+qwen3, gemma2 and gemma3 GGUF files."""
 
 import importlib.util
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
@@ -162,6 +164,61 @@ def test_gemma_matches_transformers(legacy_gelu, tokenizer, tmp_path):
     assert_matches_transformers(reference, tmp_path)
 
 
+GEMMA_CAPS = dict(attn_logit_softcapping=5.0, final_logit_softcapping=5.0)  # see test_gemma2_matches_transformers
+
+
+@pytest.mark.parametrize("variant,released_config", [
+    (dict(), False), (dict(tie_word_embeddings=False, sliding_window=WINDOW, **GEMMA_CAPS), False),
+    (dict(sliding_window=WINDOW, **GEMMA_CAPS), True)], ids=["tied", "untied-window-caps", "released-config"])
+def test_gemma2_matches_transformers(variant, released_config, tokenizer, tmp_path):
+    """Gemma 2: (1 + w) norms before and after each sublayer (every norm weight random: a kvflow
+    without the post-norms, or the MLP's own pre-norm, differs at the first token), q.k scaled by
+    query_pre_attn_scalar ** -0.5 (256, not head_dim 64), layers 0 and 2 windowed. Caps of 5 on the
+    attention and output logits, as the released 50 and 30 barely touch logits this small: a
+    kvflow without either differs. The released configs have no layer_types (every other layer
+    windowed, from the first) and a hidden_act beside the hidden_activation transformers reads."""
+    config = Gemma2Config(**SHAPE, head_dim=64, pad_token_id=None, **variant)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    reference = save_randomised(Gemma2ForCausalLM(config), tmp_path, tokenizer)
+    if released_config:
+        saved = json.loads((tmp_path / "config.json").read_text())
+        del saved["layer_types"]
+        saved["hidden_act"] = "gelu_pytorch_tanh"
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert_matches_transformers(reference, tmp_path)
+
+
+GEMMA3_SHAPE = {**{k: v for k, v in SHAPE.items() if k != "rope_theta"}, "num_hidden_layers": 6}
+GEMMA3_LINEAR_GLOBAL = dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("variant,flat_config", [
+    (dict(), False),
+    (dict(tie_word_embeddings=False, sliding_window=WINDOW, final_logit_softcapping=5.0, **GEMMA3_LINEAR_GLOBAL), False),
+    (dict(sliding_window=WINDOW, **GEMMA3_LINEAR_GLOBAL), True)],
+    ids=["tied", "untied-window-linear-cap", "flat-config"])
+def test_gemma3_matches_transformers(variant, flat_config, tokenizer, tmp_path):
+    """Gemma 3 (text): Gemma 2's sandwich norms with a (1 + w) QK-norm over each head, windows on
+    layers 0-4 of 6 (the released pattern), which rotate with base 1e4 while layer 5 rotates with
+    1e6 (a kvflow with one rotation for all differs on the longer prompts), linear rope scaling
+    (factor 8) on layer 5 only, and an output cap of 5. transformers 5 saves the bases and the
+    scaling per layer type in rope_parameters; the flat config is how earlier ones saved them
+    (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)."""
+    config = Gemma3TextConfig(**GEMMA3_SHAPE, head_dim=64, pad_token_id=None, **variant)
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    reference = save_randomised(Gemma3ForCausalLM(config), tmp_path, tokenizer)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForCausalLM"] and "full_attention" in saved["rope_parameters"]
+    if flat_config:
+        for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+            saved.pop(key, None)
+        saved.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                     sliding_window_pattern=6)
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert_matches_transformers(reference, tmp_path)
+
+
 @pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=False), dict(no_rope_layer_interval=2)],
                          ids=["tied", "untied", "nope-every-2nd"])
 def test_smollm3_matches_transformers(variant, tokenizer, tmp_path):
@@ -171,6 +228,17 @@ def test_smollm3_matches_transformers(variant, tokenizer, tmp_path):
     config = SmolLM3Config(**SHAPE, pad_token_id=None, **variant)
     assert 0 in config.no_rope_layers
     reference = save_randomised(SmolLM3ForCausalLM(config), tmp_path, tokenizer)
+    assert_matches_transformers(reference, tmp_path)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(tie_word_embeddings=True, attention_bias=True)],
+                         ids=["untied", "tied-attention_bias"])
+def test_olmo2_matches_transformers(variant, tokenizer, tmp_path):
+    """OLMo 2: norms after attention and after the MLP, added into the residual stream that is
+    itself each sublayer's input, and one RMS norm over all heads of q and of k together: a
+    kvflow that normed each head, or before each sublayer, differs at the first token."""
+    config = Olmo2Config(**SHAPE, pad_token_id=None, **variant)
+    reference = save_randomised(Olmo2ForCausalLM(config), tmp_path, tokenizer)
     assert_matches_transformers(reference, tmp_path)
 
 
@@ -213,6 +281,10 @@ _GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q
                      "self_attn.k_norm": "attn_k_norm"}
 
 
+_GGUF_GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """q/k rows as llama.cpp's converter writes them for llama-like architectures: within each
     head, the two rotated halves interleaved."""
@@ -220,9 +292,9 @@ def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
-    """The checkpoint as llama.cpp's converter writes a qwen2, qwen3 or granite GGUF: its metadata
-    keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes them for llama
-    and granite, and so does this)."""
+    """The checkpoint as llama.cpp's converter writes a qwen2, qwen3, granite, gemma2 or gemma3
+    GGUF: its metadata keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes
+    them for llama and granite, and so does this), Gemma's (1 + w) norms stored with the 1 added."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -235,7 +307,19 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
+        assert config.query_pre_attn_scalar == head_dim  # llama.cpp derives the scale from head_dim
+        writer.add_sliding_window(config.sliding_window)
+        if config.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if config.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
     if arch == "granite":
         writer.add_attention_scale(config.attention_multiplier)
@@ -248,13 +332,16 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+            names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORM_NAMES} if gemma else _GGUF_LAYER_NAMES
+            gguf_name = f"blk.{layer}.{names[module]}.{kind}"
             if arch == "granite" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
                 tensor = llama_cpp_permuted(tensor, heads)
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -264,23 +351,34 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
-                                       ("granite", True)],
-                         ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied", "granite-tied"])
+                                       ("granite", True), ("gemma2", True), ("gemma3", True)],
+                         ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied", "granite-tied", "gemma2-tied",
+                              "gemma3-tied"])
 def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
-    """The same random Qwen2 (biases and all) or Qwen3 (QK-norm weights) written as a qwen2 or
-    qwen3 GGUF and read by kvflow's GGUF loader: greedy tokens and every step's top-20 logprobs
-    as transformers gives them."""
+    """The same random Qwen2 (biases and all), Qwen3 (QK-norm weights), Gemma 2 (caps, windows)
+    or Gemma 3 (two rope bases, linear scaling on the global layers) written as llama.cpp's
+    converter writes it and read by kvflow's GGUF loader: greedy tokens and every step's top-20
+    logprobs as transformers gives them."""
     if arch == "qwen2":
         reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
     elif arch == "granite":
         config = GraniteConfig(**SHAPE, **GRANITE_MULTIPLIERS, tie_word_embeddings=tied)
         reference = save_randomised(GraniteForCausalLM(config), tmp_path / "hf", tokenizer)
+    elif arch == "gemma2":  # llama.cpp fixes the window pattern and derives the scale from head_dim
+        config = Gemma2Config(**SHAPE, head_dim=64, pad_token_id=None, query_pre_attn_scalar=64, sliding_window=WINDOW,
+                              **GEMMA_CAPS)
+        reference = save_randomised(Gemma2ForCausalLM(config), tmp_path / "hf", tokenizer)
+    elif arch == "gemma3":  # and takes 1e4 as the windowed layers' rope base
+        config = Gemma3TextConfig(**GEMMA3_SHAPE, head_dim=64, pad_token_id=None, query_pre_attn_scalar=64,
+                                  sliding_window=WINDOW, final_logit_softcapping=5.0, **GEMMA3_LINEAR_GLOBAL)
+        reference = save_randomised(Gemma3ForCausalLM(config), tmp_path / "hf", tokenizer)
     else:
         config = Qwen3Config(**SHAPE, head_dim=64, tie_word_embeddings=tied)
         reference = save_randomised(Qwen3ForCausalLM(config), tmp_path / "hf", tokenizer)
     reader = open_gguf(str(as_gguf(reference, tmp_path / f"{arch}.gguf", arch)))
     config = config_from_gguf(reader)
     expected = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
+                "gemma2": ("Gemma2ForCausalLM", False), "gemma3": ("Gemma3ForCausalLM", False),
                 "granite": ("GraniteForCausalLM", False)}[arch]
     assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (*expected, tied)
     graph = model_class(config.architecture)(config, torch.float32)

@@ -40,6 +40,39 @@ def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value
         load_config(tmp_path, {**LLAMA, field: value})
 
 
+GEMMA3 = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "head_dim": 64, "hidden_activation": "gelu_pytorch_tanh"}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping .* is not supported for Gemma 3"),
+    ("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "rope scaling on the sliding-window layers"),
+    ("layer_types", ["chunked_attention", "full_attention"], "layer_types .* are not supported"),
+    ("hidden_activation", "relu", "hidden_act 'relu' is not supported"),
+])
+def test_a_gemma3_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
+    """Gemma 3 dropped Gemma 2's attention logit cap for QK-norm, and transformers does not apply
+    one to Gemma 3; its windowed layers take no rope scaling; Gemma 2 and 3 read hidden_activation."""
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path, {**GEMMA3, field: value})
+
+
+def test_gemma3_rotations_from_either_config_layout():
+    """transformers 5 writes each layer type's rope in rope_parameters; earlier configs wrote
+    rope_theta, rope_local_base_freq and rope_scaling (the full-attention layers' only)."""
+    linear = {"rope_type": "linear", "factor": 8.0}
+    nested = ModelConfig.from_hf({**GEMMA3, "rope_parameters": {
+        "full_attention": {**linear, "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    flat = ModelConfig.from_hf({**GEMMA3, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": linear,
+                                "sliding_window_pattern": 2})
+    for config in (nested, flat):
+        assert (config.rope_theta, config.local_rope_theta, config.rope_scaling) == (1e6, 1e4, linear)
+        assert config.attention_scale == 256 ** -0.5  # query_pre_attn_scalar's default, not head_dim's
+    assert [nested.uses_local_rope(i) for i in range(2)] == [True, True]  # pattern 6 over 2 layers
+    assert [flat.uses_local_rope(i) for i in range(2)] == [True, False]
+
+
 @pytest.mark.parametrize("scaling,context,original", [
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512, 128),
     ({"rope_type": "yarn", "factor": 4.0}, 1024, 256),

@@ -163,5 +163,9 @@ def test_rotary_embedding_rejects_bad_input():
         ops.rotary_embedding(pos, q, k.half(), 64, cache)
     with pytest.raises(RuntimeError, match="cos_sin_cache must be float32 or query's dtype"):
         ops.rotary_embedding(pos, q, k, 64, cache.half())
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' needs 'original_max_position_embeddings'"):
         ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling type 'linear' needs 'factor'"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "linear"})

@@ -13,6 +13,10 @@ lengths) that each step fills. The intermediates of the captured run are laid ou
 arena, a buffer reusing the bytes of one no longer read, but only past a node that a barrier
 always precedes, so that no thread of the region can still be reading them.
 
+A program covers the model's forward and its LM head (`model.lm_head`); the model's
+`adjust_logits` (a family's soft cap or scaling of the logits, plain torch) runs after each
+replay.
+
 Classes: batch sizes 1 to 8 each, then multiples of 8; a step of n requests fills the first n
 rows, and the padding rows write no cache slot (-1) and attend over one cached token. A program
 holds the tensors it was captured with: a model changed afterwards (weights replaced, repacked)
@@ -221,8 +225,7 @@ class CpuDecodePrograms:
 
     def _capture(self, rows: int, static: "_StaticInputs") -> torch.Tensor:
         model, kv_caches = self.model, self.kv_caches
-        logits, captured, refusal = capture(
-            lambda: model.compute_logits(model(static.token_ids, static.metadata, kv_caches)))
+        logits, captured, refusal = capture(lambda: model.lm_head(model(static.token_ids, static.metadata, kv_caches)))
         self.programs[rows] = captured
         if captured is None:
             self.refusals[rows] = refusal
@@ -236,11 +239,11 @@ class CpuDecodePrograms:
         static = self._static_inputs(rows)
         static.fill(token_ids, metadata)
         captured = self.programs.get(rows)
-        if captured is None:
-            with torch.inference_mode():
-                return self._capture(rows, static)[:n]
-        captured.program.run(1, metadata.max_seq_len)
-        return captured.output if n == rows else captured.output[:n]
+        with torch.inference_mode():
+            if captured is None:
+                return self.model.adjust_logits(self._capture(rows, static)[:n])
+            captured.program.run(1, metadata.max_seq_len)
+            return self.model.adjust_logits(captured.output if n == rows else captured.output[:n])
 
     @property
     def replays(self) -> int:

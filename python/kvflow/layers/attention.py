@@ -8,13 +8,15 @@ from kvflow.attention_metadata import AttentionMetadata
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        """logits_soft_cap: cap * tanh(logit / cap) on the scaled logits (Gemma 2); None: none."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window or -1
+        self.logits_soft_cap = logits_soft_cap or 0.0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
@@ -30,7 +32,8 @@ class PagedAttention(nn.Module):
         out = torch.empty((tokens, self.num_heads, self.head_dim), dtype=query.dtype, device=query.device)
         torch.ops.kvflow.paged_attention(
             out, query, key_cache, value_cache, metadata.block_tables, metadata.cu_seqlens_q, metadata.seq_lens,
-            self.scale, metadata.max_query_len, metadata.max_seq_len, self.sliding_window, 0.0, metadata.workspace,
+            self.scale, metadata.max_query_len, metadata.max_seq_len, self.sliding_window, self.logits_soft_cap,
+            metadata.workspace,
         )
         return out.view(tokens, self.num_heads * self.head_dim)
 

@@ -31,6 +31,18 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# gemma2 and gemma3 norm each sublayer's output too, and their ffn_norm is the MLP's own pre-norm.
+_SANDWICH_NORM_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp fixes for these rather than storing: the period of full-attention layers (every
+# 2nd, every 6th; the others windowed), and the layer count of the 27B model, whose attention
+# scale is (hidden_size / heads) ** -0.5 rather than head_dim ** -0.5 (gemma_pytorch's
+# query_pre_attn_scalar). Their converter also stores the (1 + weight) norms with the 1 added.
+_GEMMA_GGUF = {"gemma2": (2, 46), "gemma3": (6, 62)}
+
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -97,16 +109,19 @@ def config_from_gguf(reader) -> ModelConfig:
     if "rope_freqs.weight" in tensor_names:
         freq_factors = _dequantize(next(t for t in reader.tensors if t.name == "rope_freqs.weight")).flatten()
 
+    num_layers = meta("block_count")
+    head_dim = meta("attention.key_length") or hidden_size // num_heads
+    gemma = _gemma_fields(arch, meta, num_layers, hidden_size // num_heads, head_dim) if arch in _GEMMA_GGUF else {}
     eos = field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    fields = dict(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=meta("feed_forward_length"),
-        num_layers=meta("block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=meta("attention.key_length") or hidden_size // num_heads,
+        head_dim=head_dim,
         max_position_embeddings=meta("context_length", 4096),
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=meta("rope.freq_base", 10000.0),
@@ -122,17 +137,38 @@ def config_from_gguf(reader) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
+    return ModelConfig(**fields | gemma)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def _gemma_fields(arch: str, meta, num_layers: int, hidden_per_head: int, head_dim: int) -> dict:
+    """The ModelConfig fields of a gemma2 or gemma3 file, read as llama.cpp reads them."""
+    period, layers_of_27b = _GEMMA_GGUF[arch]
+    window = meta("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    if window is None:
+        raise ValueError(f"GGUF file of architecture {arch!r} gives no {arch}.attention.sliding_window")
+    if arch == "gemma3" and meta("attn_logit_softcapping") is not None:
+        raise ValueError("GGUF file: gemma3.attn_logit_softcapping is not supported (Gemma 3 has no attention cap)")
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        attention_scale=(hidden_per_head if num_layers == layers_of_27b else head_dim) ** -0.5,
+        sliding_window=window,
+        layer_sliding_windows=[None if (i + 1) % period == 0 else window for i in range(num_layers)],
+        attention_logit_soft_cap=meta("attn_logit_softcapping", 50.0) if arch == "gemma2" else None,
+        final_logit_soft_cap=meta("final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+        local_rope_theta=meta("rope.freq_base_swa", 10000.0) if arch == "gemma3" else None,
+    )
+
+
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors that are
     not parameters (rope_freqs)."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match:
         layer, tensor, kind = match.groups()
-        if tensor not in _LAYER_TENSORS:
+        names = {**_LAYER_TENSORS, **_SANDWICH_NORM_TENSORS} if arch in _GEMMA_GGUF else _LAYER_TENSORS
+        if tensor not in names:
             raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")
-        return f"model.layers.{layer}.{_LAYER_TENSORS[tensor]}.{kind}"
+        return f"model.layers.{layer}.{names[tensor]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base == "rope_freqs":
         return None
@@ -146,10 +182,12 @@ def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     llama.cpp's q/k row permutation undone."""
     arch = field(reader, "general.architecture")
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         weight = _dequantize(tensor)
+        if arch in _GEMMA_GGUF and name.endswith("norm.weight"):
+            weight = weight - 1.0  # stored with Gemma's 1 added, which kvflow's norms add themselves
         if arch in _PERMUTED_QK_ARCHITECTURES:
             if ".q_proj." in name:
                 weight = _unpermute_rows(weight, config.num_heads)

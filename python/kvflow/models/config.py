@@ -40,6 +40,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0     # embeddings times this (Granite)
     residual_multiplier: float = 1.0      # each sublayer's output times this before the residual add (Granite)
     logits_scaling: float = 1.0           # logits divided by this (Granite)
+    attention_logit_soft_cap: float | None = None  # cap * tanh(x / cap) on attention logits (Gemma 2)
+    final_logit_soft_cap: float | None = None      # cap * tanh(x / cap) on the output logits (Gemma 2 and 3)
+    # Gemma 3's second rotation: the layers with a window rotate with this base and no scaling, the
+    # others with rope_theta and rope_scaling. None: every layer rotates with rope_theta.
+    local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -62,6 +67,9 @@ class ModelConfig:
         if self.layer_uses_rope is not None and len(self.layer_uses_rope) != self.num_layers:
             raise ValueError(f"model config: no_rope_layers has {len(self.layer_uses_rope)} entries for "
                              f"{self.num_layers} layers")
+        for name in ("attention_logit_soft_cap", "final_logit_soft_cap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive or None, got {getattr(self, name)}")
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: the whole context)."""
@@ -72,6 +80,10 @@ class ModelConfig:
     def uses_rope(self, layer: int) -> bool:
         """Whether layer `layer` rotates its queries and keys."""
         return self.layer_uses_rope is None or self.layer_uses_rope[layer]
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates with local_rope_theta (Gemma 3's layers with a window)."""
+        return self.local_rope_theta is not None and self.sliding_window_of(layer) is not None
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
@@ -87,12 +99,22 @@ class ModelConfig:
                              f"(supported: {', '.join(MODEL_CLASSES)})")
         if architecture == "GemmaForCausalLM":
             config = gemma_legacy_activation(config)
+        if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            config = gemma2_and_3_defaults(config, architecture)
         reject_unsupported_fields(config)
         num_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         rope_scaling = config.get("rope_scaling")
         rope_theta = config.get("rope_theta")
         parameters = config.get("rope_parameters")  # transformers >= 5 folds theta and scaling into this
+        local_rope_theta = config.get("rope_local_base_freq")  # Gemma 3's windowed layers, before transformers 5
+        if parameters and "full_attention" in parameters:  # one entry per layer type (Gemma 3)
+            local = parameters.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"model config: rope scaling on the sliding-window layers "
+                                 f"(rope_parameters.sliding_attention: {local}) is not supported")
+            local_rope_theta = local.get("rope_theta", local_rope_theta)
+            parameters = parameters["full_attention"]
         if parameters:
             rope_theta = parameters.get("rope_theta", rope_theta)
             if parameters.get("rope_type", "default") != "default":
@@ -121,6 +143,9 @@ class ModelConfig:
             sliding_window = None
         layer_windows = None
         layer_types = config.get("layer_types")
+        if layer_types is not None and set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"model config: layer_types {sorted(set(layer_types))} are not supported "
+                             f"(supported: sliding_attention, full_attention)")
         if sliding_window is not None and layer_types is not None:
             layer_windows = [sliding_window if kind == "sliding_attention" else None for kind in layer_types]
         elif sliding_window is not None and architecture.startswith("Qwen2"):
@@ -148,10 +173,14 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_sliding_windows=layer_windows,
             layer_uses_rope=None if config.get("no_rope_layers") is None else [bool(x) for x in config["no_rope_layers"]],
-            attention_scale=config.get("attention_multiplier"),
+            attention_scale=(config["query_pre_attn_scalar"] ** -0.5 if config.get("query_pre_attn_scalar")
+                             else config.get("attention_multiplier")),
             embedding_multiplier=config.get("embedding_multiplier", 1.0),
             residual_multiplier=config.get("residual_multiplier", 1.0),
             logits_scaling=config.get("logits_scaling", 1.0),
+            attention_logit_soft_cap=config.get("attn_logit_softcapping"),
+            final_logit_soft_cap=config.get("final_logit_softcapping"),
+            local_rope_theta=local_rope_theta,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
         )
@@ -164,6 +193,37 @@ def gemma_legacy_activation(config: dict) -> dict:
     for key in ("hidden_act", "hidden_activation"):
         if config.get(key) == "gelu":
             config[key] = "gelu_pytorch_tanh"
+    return config
+
+
+def gemma2_and_3_defaults(config: dict, architecture: str) -> dict:
+    """What transformers assumes where a Gemma 2 or 3 config.json is silent: the MLP's activation
+    is hidden_activation (hidden_act is not read); configs saved before layer_types window every
+    other layer (Gemma 2, from the first) or all but every sliding_window_pattern-th (Gemma 3);
+    Gemma 2 caps its logits at 50 (attention) and 30 (output); Gemma 3 rotates with base 1e6 on
+    its full-attention layers and 1e4 on its windowed ones."""
+    config = dict(config)
+    config["hidden_act"] = config.get("hidden_activation") or "gelu_pytorch_tanh"
+    config["hidden_activation"] = config["hidden_act"]
+    config.setdefault("query_pre_attn_scalar", 256)
+    config.setdefault("sliding_window", 4096)
+    layers = config["num_hidden_layers"]
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    if config.get("layer_types") is None:
+        pattern = config.get("sliding_window_pattern", 6) if gemma3 else 2
+        config["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(layers)]
+    if gemma3:
+        config.setdefault("rope_theta", 1_000_000.0)
+        config.setdefault("rope_local_base_freq", 10_000.0)
+        if config.get("attn_logit_softcapping") is not None:  # Gemma 3 replaced it with QK-norm
+            raise ValueError(f"model config: attn_logit_softcapping ({config['attn_logit_softcapping']}) is not "
+                             f"supported for Gemma 3 (transformers does not apply it to Gemma 3 either)")
+        if config["sliding_window"] is None:  # its local rope base would then have no layers to go to
+            raise ValueError("model config: Gemma 3 needs a sliding_window")
+    else:
+        config.setdefault("attn_logit_softcapping", 50.0)
+        config.setdefault("final_logit_softcapping", 30.0)
     return config
 
 

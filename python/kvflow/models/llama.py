@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
                                    scale=config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale,
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window, logits_soft_cap=config.attention_logit_soft_cap)
 
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -96,7 +96,11 @@ class LlamaForCausalLM(nn.Module):
                                  config.rope_scaling, config.rope_freq_factors)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                            scale=self.embedding_scale(config, dtype))
-        self.layers = nn.ModuleList(self.layer_class(config, rotary, dtype, i) for i in range(config.num_layers))
+        local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.local_rope_theta)
+        self.layers = nn.ModuleList(
+            self.layer_class(config, local_rotary if config.uses_local_rope(i) else rotary, dtype, i)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                             weight_offset=self.layer_class.norm_weight_offset)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
@@ -121,9 +125,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [rows, hidden_size] (only the rows to sample) -> float32 logits [rows, vocab_size]."""
-        logits = self.lm_head(hidden)
+        return self.adjust_logits(self.lm_head(hidden))
+
+    def adjust_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a family does to the LM head's logits, in place (Granite divides them by
+        logits_scaling, Gemma 2 caps them). Plain torch: the CPU decode programs capture the LM
+        head and call this after each replay."""
         if self.config.logits_scaling != 1.0:
             logits.div_(self.config.logits_scaling)
+        cap = self.config.final_logit_soft_cap
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     def prepack_linear_weights(self) -> int:

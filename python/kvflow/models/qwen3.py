@@ -11,12 +11,15 @@ from kvflow.models.llama import KVCache, LlamaAttention, LlamaDecoderLayer, Llam
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_weight_offset = 0.0  # Gemma 3's QK-norm multiplies by (1 + weight)
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype,
                  sliding_window: int | None):
         super().__init__(config, rotary, dtype, sliding_window)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype)
+        offset = self.qk_norm_weight_offset
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, weight_offset=offset)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, weight_offset=offset)
 
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)

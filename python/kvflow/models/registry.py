@@ -1,14 +1,20 @@
 """Architecture name (config.json's "architectures", or GGUF's general.architecture) -> model class."""
 
 from kvflow.models.gemma import GemmaForCausalLM
+from kvflow.models.gemma2 import Gemma2ForCausalLM
+from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
+from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
@@ -16,6 +22,8 @@ MODEL_CLASSES = {
 
 # GGUF general.architecture -> the Hugging Face name of the same graph
 GGUF_ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -6,6 +6,9 @@ import torch
 
 
 SUPPORTED_ROPE_SCALING = ("llama3", "linear", "yarn", "dynamic")  # the rope_scaling types compute_cos_sin_cache implements
+_REQUIRED_FIELDS = {"llama3": ("factor", "original_max_position_embeddings"), "linear": ("factor",),
+                    "yarn": ("factor", "original_max_position_embeddings"),
+                    "dynamic": ("factor", "original_max_position_embeddings")}
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -91,6 +94,9 @@ def compute_cos_sin_cache(
     rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type not in (None, "default", *SUPPORTED_ROPE_SCALING):
         raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    missing = [field for field in _REQUIRED_FIELDS.get(rope_type, ()) if rope_scaling.get(field) is None]
+    if missing:
+        raise ValueError(f"rope_scaling type {rope_type!r} needs {', '.join(map(repr, missing))}")
     if rope_type == "dynamic":
         base = _dynamic_ntk_base(rotary_dim, base, rope_scaling, max_position)
     inv_freq = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
