@@ -56,6 +56,11 @@ GGUF_PRE_TOKENIZER_SPLITS = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 
+# Pre-tokenizers whose words are looked up whole before any merge (Llama 3's tokenizer.json sets
+# `ignore_merges`, and llama.cpp does the same for these names): a word in the vocabulary is one token
+# even when no chain of merges builds it.
+GGUF_WHOLE_WORD_FIRST = ("llama-bpe", "llama3", "llama-v3")
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -297,8 +302,9 @@ class Tokenizer:
             backend,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
-            add_bos_token=metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"),
+            # Without the key, llama.cpp's defaults: BOS for SentencePiece and Llama 3's BPE.
+            add_bos_token=metadata.get("tokenizer.ggml.add_bos_token",
+                                       kind == "llama" or metadata.get("tokenizer.ggml.pre") in GGUF_WHOLE_WORD_FIRST),
             add_eos_token=metadata.get("tokenizer.ggml.add_eos_token", False),
             chat_template=metadata.get("tokenizer.chat_template"),
             extra_stop_token_ids=extra_stops,
@@ -431,7 +437,10 @@ def _byte_level_bpe_from_gguf(metadata: dict, tokens: list[str], token_types: li
         raise ValueError("the GGUF 'gpt2' tokenizer has no merges: 'tokenizer.ggml.merges' is missing")
     vocab = {token: token_id for token_id, token in enumerate(tokens)}
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-    tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    ignore_merges = metadata.get("tokenizer.ggml.pre") in GGUF_WHOLE_WORD_FIRST
+    tokenizer = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
+    )
 
     add_prefix_space = bool(metadata.get("tokenizer.ggml.add_space_prefix", False))
     split = GGUF_PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
@@ -474,13 +483,19 @@ def _sentencepiece_from_gguf(metadata: dict, tokens: list[str], token_types: lis
     scores = list(metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
     types = [token_type if token_type in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
              for token_type in token_types]
-    if UNKNOWN not in types:
-        # SentencePiece needs exactly one unknown piece; older files only name it by id.
-        unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-        if unk_id is None:
+    # SentencePiece needs exactly one unknown piece: the one the metadata names, else the first of
+    # type 2. Other pieces of type 2 (Phi-3's padding tokens) become control pieces, which
+    # SentencePiece never produces from text; they are still matched whole as special tokens.
+    special_types = list(types)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is None:
+        if UNKNOWN not in types:
             raise ValueError("the GGUF 'llama' tokenizer has no unknown token (no token of type 2, "
                              "no tokenizer.ggml.unknown_token_id)")
-        types[unk_id] = UNKNOWN
+        unk_id = types.index(UNKNOWN)
+    types = [CONTROL if token_type == UNKNOWN else token_type for token_type in types]
+    types[unk_id] = UNKNOWN
+    special_types[unk_id] = UNKNOWN
     if 0 < types.count(BYTE) < 256:
         # SentencePiece's byte fallback needs every `<0xNN>` piece and refuses a partial set.
         raise ValueError(
@@ -493,9 +508,9 @@ def _sentencepiece_from_gguf(metadata: dict, tokens: list[str], token_types: lis
         byte_fallback=BYTE in types,
     )
     processor = sentencepiece.SentencePieceProcessor(model_proto=proto)
-    special = {token: token_id for token_id, (token, token_type) in enumerate(zip(tokens, types))
+    special = {token: token_id for token_id, (token, token_type) in enumerate(zip(tokens, special_types))
                if token_type in (CONTROL, UNKNOWN)}
-    added = {token: token_id for token_id, (token, token_type) in enumerate(zip(tokens, types))
+    added = {token: token_id for token_id, (token, token_type) in enumerate(zip(tokens, special_types))
              if token_type == USER_DEFINED}
     return _SentencePieceBackend(processor, special, added)
 
