@@ -316,8 +316,8 @@ inline AttentionGeometry check_paged_attention_args(const at::Tensor& out, const
               g.head_dim);
   TORCH_CHECK(g.num_kv_heads > 0 && g.num_q_heads % g.num_kv_heads == 0, "num_q_heads ", g.num_q_heads,
               " is not a multiple of num_kv_heads ", g.num_kv_heads, " (key_cache.size(2))");
-  TORCH_CHECK(g.head_dim == 64 || g.head_dim == 128 || g.head_dim == 256, "head_dim ", g.head_dim,
-              " is not supported by paged_attention (supported: 64, 128, 256)");
+  TORCH_CHECK(g.head_dim == 64 || g.head_dim == 80 || g.head_dim == 96 || g.head_dim == 128 || g.head_dim == 256,
+              "head_dim ", g.head_dim, " is not supported by paged_attention (supported: 64, 80, 96, 128, 256)");
   check_index_tensor(block_tables, "block_tables", at::kInt, query);
   check_index_tensor(cu_seqlens_q, "cu_seqlens_q", at::kInt, query);
   check_index_tensor(seq_lens, "seq_lens", at::kInt, query);

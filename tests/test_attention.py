@@ -66,7 +66,7 @@ def run_case(device, query_lens, seq_lens, num_q=9, num_kv=3, head_dim=64, block
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_decode_batch(device, dtype, head_dim):
     rng = random.Random(1)
     seq_lens = [rng.randint(1, 300) for _ in range(13)]
@@ -103,6 +103,15 @@ def test_sliding_window(device, window):
 
 def test_logits_soft_cap(device):
     run_case(device, [1, 31], [90, 64], cap=5.0, dtype=torch.float32, head_dim=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_head_dims_not_a_power_of_two(device, dtype, head_dim):
+    # Phi-3's 96 and 80: a mixed batch of prefill chunks (CUDA's tensor-core kernel for 16-bit
+    # types), then one long decode whose keys are split and merged.
+    run_case(device, [1, 45, 20, 1], [200, 45, 84, 17], head_dim=head_dim, dtype=dtype, strided_query=True)
+    run_case(device, [1], [1500], head_dim=head_dim, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,8 +181,8 @@ def test_bad_input_is_rejected_clearly():
     bad_call()  # the baseline is valid
     with pytest.raises(RuntimeError, match="num_q_heads 9 is not a multiple of num_kv_heads 4"):
         bad_call(key_cache=torch.randn(4, 16, 4, 64), value_cache=torch.randn(4, 16, 4, 64))
-    with pytest.raises(RuntimeError, match="head_dim 80 is not supported by paged_attention"):
-        bad_call(query=torch.randn(3, 9, 80), key_cache=torch.randn(4, 16, 3, 80), value_cache=torch.randn(4, 16, 3, 80))
+    with pytest.raises(RuntimeError, match=r"head_dim 72 is not supported by paged_attention \(supported: 64, 80, 96, 128, 256\)"):
+        bad_call(query=torch.randn(3, 9, 72), key_cache=torch.randn(4, 16, 3, 72), value_cache=torch.randn(4, 16, 3, 72))
     with pytest.raises(RuntimeError, match="key_cache's head_dim 128 differs from query's 64"):
         bad_call(key_cache=torch.randn(4, 16, 3, 128), value_cache=torch.randn(4, 16, 3, 128))
     # A context longer than its block table: the honest max_seq_len is already out of range.

@@ -47,13 +47,14 @@ VARIANTS = {
     # Granite's multipliers (its residual one is folded into the weights at load, which these
     # models skip: see tests/test_hf_checkpoints.py)
     "granite": {"attention_scale": 0.05, "embedding_multiplier": 3.0, "logits_scaling": 2.5},
+    "head_dim_96": {"head_dim": 96},  # Phi-3 / Phi-4-mini's head size: not a power of two
 }
 
 
 def small_model(dtype, variant="llama", tie=False):
-    config = ModelConfig("LlamaForCausalLM", vocab_size=97, hidden_size=192, intermediate_size=320, num_layers=2,
-                         num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, tie_word_embeddings=tie, **VARIANTS[variant])
+    shape = dict(vocab_size=97, hidden_size=192, intermediate_size=320, num_layers=2, num_heads=6, num_kv_heads=2,
+                 head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+    config = ModelConfig("LlamaForCausalLM", tie_word_embeddings=tie, **(shape | VARIANTS[variant]))
     torch.manual_seed(0)
     graph = {"qwen3_qk_norm": Qwen3ForCausalLM, "gemma": GemmaForCausalLM, "olmo2": Olmo2ForCausalLM,
              "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM}.get(variant, LlamaForCausalLM)

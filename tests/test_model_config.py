@@ -34,6 +34,7 @@ def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, archit
     ("rope_scaling", {"rope_type": "yarn"}, "yarn rope scaling needs a 'factor'"),
     ("no_rope_layers", [1, 1, 0], "no_rope_layers has 3 entries for 2 layers"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
+    ("head_dim", 72, r"head_dim 72 is not supported \(supported: \(64, 80, 96, 128, 256\)\)"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -56,6 +57,12 @@ def test_a_gemma3_field_that_changes_the_math_is_refused_by_name(tmp_path, field
     one to Gemma 3; its windowed layers take no rope scaling; Gemma 2 and 3 read hidden_activation."""
     with pytest.raises(ValueError, match=message):
         load_config(tmp_path, {**GEMMA3, field: value})
+
+
+@pytest.mark.parametrize("hidden_size,head_dim", [(192, 96), (160, 80)])
+def test_head_dims_80_and_96_load(hidden_size, head_dim):
+    # Phi-3 / Phi-4-mini (96) and others (80) derive head_dim from hidden_size / num_attention_heads.
+    assert ModelConfig.from_hf({**LLAMA, "hidden_size": hidden_size}).head_dim == head_dim
 
 
 def test_gemma3_rotations_from_either_config_layout():

@@ -37,9 +37,13 @@ namespace {
 
 KernelTable make_avx512_bf16_table() {
   KernelTable table = make_kernel_table<VecAvx512Bf16>("avx512_bf16");
-  table.paged_attention[int(DType::kBFloat16)][0] = paged_attention_avx512_bf16<64>;
-  table.paged_attention[int(DType::kBFloat16)][1] = paged_attention_avx512_bf16<128>;
-  table.paged_attention[int(DType::kBFloat16)][2] = paged_attention_avx512_bf16<256>;
+  // vdpbf16ps takes head_dim 32 at a time (16 pairs a transpose): head_dim 80 keeps the table's
+  // widening kernel.
+  auto& bf16_attention = table.paged_attention[int(DType::kBFloat16)];
+  bf16_attention[attention_head_dim_index(64)] = paged_attention_avx512_bf16<64>;
+  bf16_attention[attention_head_dim_index(96)] = paged_attention_avx512_bf16<96>;
+  bf16_attention[attention_head_dim_index(128)] = paged_attention_avx512_bf16<128>;
+  bf16_attention[attention_head_dim_index(256)] = paged_attention_avx512_bf16<256>;
   table.small_linear[int(DType::kBFloat16)] = small_linear_avx512_bf16;
   table.packed_linear = packed_linear_panels<PackedLinearAvx512Bf16>;
   return table;

@@ -84,18 +84,22 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     }
   }
 
-  // Compiled head sizes: 64, 128, 256 (check_paged_attention_args admits only these).
+  // Compiled head sizes: 64, 80, 96, 128, 256 (check_paged_attention_args admits only these).
   err = cuda_kernels::dispatch_dtype(g.dtype, [&](auto tag) {
     using T = decltype(tag);
     switch (g.head_dim) {
       case 64:
         return cuda_kernels::paged_attention<T, 64>(params, plan, stream);
+      case 80:
+        return cuda_kernels::paged_attention<T, 80>(params, plan, stream);
+      case 96:
+        return cuda_kernels::paged_attention<T, 96>(params, plan, stream);
       case 128:
         return cuda_kernels::paged_attention<T, 128>(params, plan, stream);
       case 256:
         return cuda_kernels::paged_attention<T, 256>(params, plan, stream);
       default:
-        TORCH_CHECK(false, "paged_attention: head_dim ", g.head_dim, " is not compiled for CUDA (64, 128, 256)");
+        TORCH_CHECK(false, "paged_attention: head_dim ", g.head_dim, " is not compiled for CUDA (64, 80, 96, 128, 256)");
     }
   });
   TORCH_CHECK(err == cudaSuccess, "paged_attention: CUDA kernel launch failed: ", cudaGetErrorString(err));

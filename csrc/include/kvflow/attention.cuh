@@ -353,16 +353,20 @@ __global__ void __launch_bounds__(kRowsThreads, kRowsMinCtasPerSm)
                                 bool packed) {
   constexpr int N = Pack<T>::kSize;                          // phase 1: elements per 16-byte K load
   constexpr int kPacks = HD / N;                             // packs per K row
-  constexpr int kPacksPerScoreLane = kPacks / kScoreLanes;
+  // Head dim 80 in 16 bits is 10 packs: the last pass over them leaves two of a key's lanes idle.
+  constexpr int kPacksPerScoreLane = (kPacks + kScoreLanes - 1) / kScoreLanes;
   constexpr int kScoreKeysPerPass = kRowsWarps * 32 / kScoreLanes;
   constexpr int kScorePasses = kKeyChunk / kScoreKeysPerPass;
   // Phase 3: a lane owns kV dims of every row (kRowsPerCta * kV accumulators in registers, the
-  // same for every dtype), a warp HD / kRowsWarps dims, kValueLanes lanes per V row slice.
+  // same for every dtype), a warp HD / kRowsWarps dims, kValueLanes lanes per V row slice and
+  // kValueKeys slices (keys) per warp step. Where kValueLanes does not divide 32 (head_dim 80:
+  // 5 lanes, 96: 6), the warp's last 32 % kValueLanes lanes idle in phase 3.
   constexpr int kV = 4;
   constexpr int kValueLanes = HD / kV / kRowsWarps;
   constexpr int kValueKeys = 32 / kValueLanes;               // keys per warp step
-  static_assert(kPacks % kScoreLanes == 0, "head_dim must split over a key's lanes");
-  static_assert(kValueLanes <= 32 && 32 % kValueLanes == 0, "a warp must cover whole slices of V rows");
+  constexpr int kValueSteps = (kKeyChunk + kValueKeys - 1) / kValueKeys;
+  static_assert(HD % (kV * kRowsWarps) == 0 && kPacks * N == HD, "head_dim must split over the warps' lanes");
+  static_assert(kValueLanes <= 32, "a warp must cover whole slices of V rows");
   static_assert(kKeyChunk % kScoreKeysPerPass == 0 && kKeyChunk == 64, "phase 2 reads two scores per lane");
 
   __shared__ __align__(16) float q_s[kRowsPerCta][HD];  // scaled query rows
@@ -435,6 +439,7 @@ __global__ void __launch_bounds__(kRowsThreads, kRowsMinCtasPerSm)
     }
 #pragma unroll
     for (int i = 0; i < kPacksPerScoreLane; ++i) {
+      if (kPacks % kScoreLanes != 0 && i * kScoreLanes + sub >= kPacks) break;
       const int d = (i * kScoreLanes + sub) * N;
       float kf[kScorePasses][N];
 #pragma unroll
@@ -503,8 +508,9 @@ __global__ void __launch_bounds__(kRowsThreads, kRowsMinCtasPerSm)
       }
     }
 #pragma unroll 4
-    for (int step = 0; step < kKeyChunk / kValueKeys; ++step) {
+    for (int step = 0; step < kValueSteps; ++step) {
       const int j = step * kValueKeys + value_key;
+      if (32 % kValueLanes != 0 && (value_key >= kValueKeys || j >= kKeyChunk)) break;
       const int key = c0 + j < c_hi ? c0 + j : c0;
       const T* vrow = v_base + cache_slot(tile.block_table, key, p.block_shift) * kv_stride;
       float vf[kV];
@@ -525,10 +531,25 @@ __global__ void __launch_bounds__(kRowsThreads, kRowsMinCtasPerSm)
 #pragma unroll
   for (int r = 0; r < kRowsPerCta; ++r) {
     if (r < n_rows) {
+      if constexpr (32 % kValueLanes == 0) {
 #pragma unroll
-      for (int offset = kValueLanes; offset < 32; offset <<= 1) {
+        for (int offset = kValueLanes; offset < 32; offset <<= 1) {
 #pragma unroll
-        for (int e = 0; e < kV; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
+          for (int e = 0; e < kV; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
+        }
+      } else {
+        // A tree over the kValueKeys slices, not a power of two: slice k takes slice k + s when
+        // k is a multiple of 2s and k + s exists; slice 0 ends with the sum (idle lanes,
+        // value_key == kValueKeys, are never taken).
+#pragma unroll
+        for (int s = 1; s < kValueKeys; s <<= 1) {
+          const bool take = value_key % (2 * s) == 0 && value_key + s < kValueKeys;
+#pragma unroll
+          for (int e = 0; e < kV; ++e) {
+            const float other = __shfl_down_sync(0xffffffffu, acc[r][e], s * kValueLanes);
+            if (take) acc[r][e] += other;
+          }
+        }
       }
     }
   }
@@ -675,6 +696,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaMinCtasPerSm)
   constexpr int kKeyTiles8 = kKeys / 8;  // S: n-tiles of 8 keys
   constexpr int kDimTiles8 = HD / 8;     // O: n-tiles of 8 head dims
   static_assert(kMmaRows == 4 * 16 && kMmaThreads == 128, "four warps of 16 rows");
+  static_assert(HD % 16 == 0, "head_dim must be whole k16 steps of Q.K^T and pairs of O's n-tiles");
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* q_s = reinterpret_cast<T*>(smem);  // [kMmaRows][kPitch]
@@ -858,7 +880,8 @@ __global__ void __launch_bounds__(kMergeThreads)
     merge_splits_kernel(T* out,                // [num_tokens * num_q_heads, HD]
                         const float* partials,  // [num_splits, num_tokens * num_q_heads, HD + 2]
                         int num_splits, int64_t num_rows) {
-  constexpr int kPerLane = HD / 32;
+  // Lane owns dims lane + 32 i; for head_dim 80, lanes 16..31 own one fewer.
+  constexpr int kPerLane = (HD + 31) / 32;
   const int64_t row = int64_t(blockIdx.x) * (kMergeThreads / 32) + (threadIdx.x >> 5);
   if (row >= num_rows) return;
   const int lane = threadIdx.x & 31;
@@ -877,21 +900,25 @@ __global__ void __launch_bounds__(kMergeThreads)
     const float weight = exp2f(w[0] - m);
     l += w[1] * weight;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] += weight * w[2 + lane + 32 * i];
+    for (int i = 0; i < kPerLane; ++i) {
+      if (HD % 32 == 0 || lane + 32 * i < HD) acc[i] += weight * w[2 + lane + 32 * i];
+    }
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   T* o = out + row * HD;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) o[lane + 32 * i] = store_float<T>(acc[i] * inv);
+  for (int i = 0; i < kPerLane; ++i) {
+    if (HD % 32 == 0 || lane + 32 * i < HD) o[lane + 32 * i] = store_float<T>(acc[i] * inv);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launch. HD is 64, 128 or 256; T is float, float16 or bfloat16 (tensor cores for the 16-bit
-// types only). p.workspace must hold plan.workspace_floats floats, 8-byte aligned.
+// Launch. HD is 64, 80, 96, 128 or 256; T is float, float16 or bfloat16 (tensor cores for the
+// 16-bit types only). p.workspace must hold plan.workspace_floats floats, 8-byte aligned.
 
 template <typename T, int HD>
 cudaError_t paged_attention(const PagedAttentionParams& p, const PagedAttentionPlan& plan, cudaStream_t stream) {
-  static_assert(HD == 64 || HD == 128 || HD == 256, "head_dim 64, 128 or 256");
+  static_assert(HD == 64 || HD == 80 || HD == 96 || HD == 128 || HD == 256, "head_dim 64, 80, 96, 128 or 256");
   if (p.num_tokens == 0) return cudaSuccess;
   if (plan.num_splits > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(unsigned(plan.num_tiles), unsigned(p.num_kv_heads), unsigned(plan.num_splits));

@@ -7,7 +7,7 @@ import torch
 from kvflow.layers.activation import GATED_ACTIVATION_OPS
 from kvflow.ops.rope import SUPPORTED_ROPE_SCALING
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the paged attention kernels' compiled sizes
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)  # the paged attention kernels' compiled sizes
 
 
 @dataclass

@@ -31,7 +31,7 @@ def paged_attention(
     kv head h // (num_q_heads // num_kv_heads). logits_soft_cap > 0 applies cap * tanh(x / cap)
     to the scaled logits. max_query_len / max_seq_len are host integers at least the true maxima
     (the CUDA launcher sizes its grid from them without reading device memory). workspace is
-    optional float32 scratch for split-KV partial results. head_dim: 64, 128 or 256.
+    optional float32 scratch for split-KV partial results. head_dim: 64, 80, 96, 128 or 256.
     """
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -98,6 +98,8 @@ struct AttentionWorkItem {
 
 using PagedAttentionFn = void (*)(const PagedAttentionArgs& args, const AttentionWorkItem* items, int64_t begin,
                                   int64_t end);
+// The head sizes paged attention is compiled for: 64, 80, 96, 128, 256.
+constexpr int kNumAttentionHeadDims = 5;
 
 // Passes over one row of logits [n] (the sampler's vectorised parts; selection logic is in
 // cpu/sampling.cpp).
@@ -157,8 +159,9 @@ struct KernelTable {
   GatedActivationFn silu_and_mul[kNumDTypes];
   GatedActivationFn gelu_tanh_and_mul[kNumDTypes];
   GatedActivationFn gelu_and_mul[kNumDTypes];
-  // [dtype][head_dim 64, 128, 256]: head sizes are compile-time so accumulators stay in registers.
-  PagedAttentionFn paged_attention[kNumDTypes][3];
+  // [dtype][head_dim 64, 80, 96, 128, 256, see attention_head_dim_index]: head sizes are
+  // compile-time so accumulators stay in registers.
+  PagedAttentionFn paged_attention[kNumDTypes][kNumAttentionHeadDims];
   RowMaxFn row_max[kNumDTypes];
   ExpSumFn exp_sum[kNumDTypes];
   CollectGreaterFn collect_greater[kNumDTypes];
@@ -171,10 +174,14 @@ inline int attention_head_dim_index(int64_t head_dim) {
   switch (head_dim) {
     case 64:
       return 0;
-    case 128:
+    case 80:
       return 1;
-    case 256:
+    case 96:
       return 2;
+    case 128:
+      return 3;
+    case 256:
+      return 4;
     default:
       return -1;
   }

@@ -37,10 +37,12 @@ void fill_row_entries(KernelTable& t, DType dtype) {
 }
 
 template <class V, typename T>
-void fill_attention_row(PagedAttentionFn (&row)[3]) {
-  row[0] = paged_attention<V, T, 64>;
-  row[1] = paged_attention<V, T, 128>;
-  row[2] = paged_attention<V, T, 256>;
+void fill_attention_row(PagedAttentionFn (&row)[kNumAttentionHeadDims]) {
+  row[attention_head_dim_index(64)] = paged_attention<V, T, 64>;
+  row[attention_head_dim_index(80)] = paged_attention<V, T, 80>;
+  row[attention_head_dim_index(96)] = paged_attention<V, T, 96>;
+  row[attention_head_dim_index(128)] = paged_attention<V, T, 128>;
+  row[attention_head_dim_index(256)] = paged_attention<V, T, 256>;
 }
 
 template <class V>
