@@ -11,13 +11,15 @@ qwen3, gemma2 and gemma3 GGUF files."""
 
 import importlib.util
 import json
+import math
 import random
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM,
+from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
@@ -90,10 +92,11 @@ def random_ids(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
-def assert_matches_transformers(reference, directory: Path):
-    llm = LLM(model=str(directory), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20)
+def assert_matches_transformers(reference, directory: Path, max_model_len: int = 512,
+                                lengths: tuple[int, ...] = (5, 40, 150)):
+    llm = LLM(model=str(directory), dtype="float32", max_model_len=max_model_len, kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
-    prompts = [random_ids(n, seed) for seed, n in enumerate([5, 40, 150])]
+    prompts = [random_ids(n, seed) for seed, n in enumerate(lengths)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for ids, output in zip(prompts, outputs):
         tokens, tops, margins = transformers_greedy(reference, ids)
@@ -242,6 +245,44 @@ def test_olmo2_matches_transformers(variant, tokenizer, tmp_path):
     assert_matches_transformers(reference, tmp_path)
 
 
+def phi3_longrope(seed: int) -> dict:
+    """LongRoPE factors for 24 frequencies (a rotary_dim of 48), far enough from 1 that a table
+    without them, or with the wrong set, differs."""
+    rng = random.Random(seed)
+    return {"rope_type": "longrope", "rope_theta": SHAPE["rope_theta"], "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + rng.random() for _ in range(24)],
+            "long_factor": [1.0 + 7.0 * rng.random() for _ in range(24)]}
+
+
+@pytest.mark.parametrize("variant", ["untied-window", "tied-partial-rotary", "longrope-short", "longrope-long"])
+def test_phi3_matches_transformers(variant, tokenizer, tmp_path):
+    """Phi-3's checkpoints store q|k|v and gate|up fused (qkv_proj, gate_up_proj). Phi-3-mini has
+    a window on every layer; Phi-4-mini rotates 3/4 of each head (partial_rotary_factor) and ties
+    its embeddings; Phi-3.5 and Phi-4-mini scale rope with LongRoPE, whose short factors hold
+    while the context fits the original 64 tokens (max_model_len 64 here, prompts that fit it, as
+    transformers does for sequences that short) and whose long ones hold for a longer context
+    (transformers switches to them once a sequence passes 64 tokens: a 150-token prompt does from
+    its first step)."""
+    shape = {**SHAPE}
+    max_model_len, lengths = 512, (5, 40, 150)
+    if variant == "untied-window":
+        shape.update(sliding_window=WINDOW)
+    elif variant == "tied-partial-rotary":
+        shape.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"],
+                                                                 "partial_rotary_factor": 0.75})
+    else:
+        shape.update(rope_parameters=phi3_longrope(0), original_max_position_embeddings=64)
+        max_model_len, lengths = (64, (5, 36)) if variant == "longrope-short" else (512, (150,))
+    del shape["rope_theta"]
+    reference = save_randomised(Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=None)), tmp_path, tokenizer)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["Phi3ForCausalLM"]
+    names = {name for name, _ in reference.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert_matches_transformers(reference, tmp_path, max_model_len, lengths)
+
+
 GRANITE_MULTIPLIERS = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.3,
                           logits_scaling=3.0)
 
@@ -278,7 +319,7 @@ _GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q
                      "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                      "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                      "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm",
-                     "self_attn.k_norm": "attn_k_norm"}
+                     "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 _GGUF_GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -321,6 +362,17 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
         if config.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_vocab_size(config.vocab_size)
+    if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes it
+        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(rotary_dim)
+        writer.add_sliding_window(config.sliding_window or 0)
+        original = rope.get("original_max_position_embeddings", config.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":
+            scale = config.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if arch == "granite":
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_embedding_scale(config.embedding_multiplier)
@@ -351,14 +403,16 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
 
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
-                                       ("granite", True), ("gemma2", True), ("gemma3", True)],
+                                       ("granite", True), ("gemma2", True), ("gemma3", True), ("phi3", True),
+                                       ("phi3-longrope", False)],
                          ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied", "granite-tied", "gemma2-tied",
-                              "gemma3-tied"])
+                              "gemma3-tied", "phi3-window-partial-rotary", "phi3-longrope"])
 def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     """The same random Qwen2 (biases and all), Qwen3 (QK-norm weights), Gemma 2 (caps, windows)
     or Gemma 3 (two rope bases, linear scaling on the global layers) written as llama.cpp's
     converter writes it and read by kvflow's GGUF loader: greedy tokens and every step's top-20
     logprobs as transformers gives them."""
+    lengths = [5, 40, 150]
     if arch == "qwen2":
         reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied, window=None)
     elif arch == "granite":
@@ -372,6 +426,17 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
         config = Gemma3TextConfig(**GEMMA3_SHAPE, head_dim=64, pad_token_id=None, query_pre_attn_scalar=64,
                                   sliding_window=WINDOW, final_logit_softcapping=5.0, **GEMMA3_LINEAR_GLOBAL)
         reference = save_randomised(Gemma3ForCausalLM(config), tmp_path / "hf", tokenizer)
+    elif arch.startswith("phi3"):  # the long factors over a 512-token context: a prompt past the original 64
+        shape = {key: value for key, value in SHAPE.items() if key != "rope_theta"}
+        if arch == "phi3":
+            shape.update(sliding_window=WINDOW, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.75,
+                                                                  "rope_theta": SHAPE["rope_theta"]})
+        else:
+            shape.update(rope_parameters=phi3_longrope(1), original_max_position_embeddings=64)
+            lengths = [150]
+        config = Phi3Config(**shape, tie_word_embeddings=tied, pad_token_id=None)
+        reference = save_randomised(Phi3ForCausalLM(config), tmp_path / "hf", tokenizer)
+        arch = "phi3"
     else:
         config = Qwen3Config(**SHAPE, head_dim=64, tie_word_embeddings=tied)
         reference = save_randomised(Qwen3ForCausalLM(config), tmp_path / "hf", tokenizer)
@@ -379,13 +444,13 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     config = config_from_gguf(reader)
     expected = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
                 "gemma2": ("Gemma2ForCausalLM", False), "gemma3": ("Gemma3ForCausalLM", False),
-                "granite": ("GraniteForCausalLM", False)}[arch]
+                "granite": ("GraniteForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}[arch]
     assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (*expected, tied)
     graph = model_class(config.architecture)(config, torch.float32)
     graph.load_weights(gguf_weights(reader, config))
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
-    for seed, length in enumerate([5, 40, 150]):
+    for seed, length in enumerate(lengths):
         ids = random_ids(length, seed)
         tokens, tops, margins = transformers_greedy(reference, ids)
         output, new_tokens, computed = [], list(ids), 0

@@ -4,6 +4,7 @@ or the field, before any weight is read, never a model that runs and answers wro
 import json
 
 import pytest
+import torch
 
 from kvflow.loader import load_model
 from kvflow.models.config import ModelConfig
@@ -30,7 +31,7 @@ def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, archit
 @pytest.mark.parametrize("field,value,message", [
     ("hidden_act", "relu", "hidden_act 'relu' is not supported"),
     ("hidden_act", "quick_gelu", "hidden_act 'quick_gelu' is not supported"),
-    ("rope_scaling", {"rope_type": "longrope", "factor": 4.0}, "unsupported rope_scaling type 'longrope'"),
+    ("rope_scaling", {"rope_type": "mrope", "mrope_section": [16, 8, 8]}, "unsupported rope_scaling type 'mrope'"),
     ("rope_scaling", {"rope_type": "yarn"}, "yarn rope scaling needs a 'factor'"),
     ("no_rope_layers", [1, 1, 0], "no_rope_layers has 3 entries for 2 layers"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
@@ -92,3 +93,38 @@ def test_yarn_and_dynamic_ntk_serve_the_scaled_context(scaling, context, origina
     config = ModelConfig.from_hf({**LLAMA, "rope_scaling": scaling})
     assert config.max_position_embeddings == context
     assert config.rope_scaling["original_max_position_embeddings"] == original
+
+
+PHI3 = {**LLAMA, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 256, "partial_rotary_factor": 0.75,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 24, "long_factor": [4.0] * 24}}
+
+
+def test_phi3_partial_rotary_and_longrope_fields():
+    """partial_rotary_factor rotates the leading 3/4 of each head; LongRoPE takes its original
+    context from the config and its factor from the released context over it (transformers' rule)."""
+    config = ModelConfig.from_hf(PHI3)
+    assert config.rotary_dim == 48
+    assert config.rope_scaling["original_max_position_embeddings"] == 256
+    assert config.rope_scaling["factor"] == 16.0
+    assert config.max_position_embeddings == 4096
+    with pytest.raises(ValueError, match="rotary_dim 66 must be even and within head_dim 64"):
+        ModelConfig.from_hf({**PHI3, "partial_rotary_factor": 1.04, "rope_scaling": None})
+
+
+def test_the_engine_context_sizes_the_rope_table_and_picks_longrope_factors():
+    """A context that fits the original one rotates with the short factors, a longer one with the
+    long factors at every position (llama.cpp's rule)."""
+    config = ModelConfig.from_hf(PHI3)
+    assert config.with_context(None) is config and config.with_context(8192) is config
+    short, long = config.with_context(256), config.with_context(1024)
+    assert (short.max_position_embeddings, long.max_position_embeddings) == (256, 1024)
+    from kvflow.models.llama import LlamaForCausalLM
+
+    short_table = LlamaForCausalLM(short, torch.float32).layers[0].self_attn.rotary.cos_sin_cache
+    long_table = LlamaForCausalLM(long, torch.float32).layers[0].self_attn.rotary.cos_sin_cache
+    assert short_table.shape == (256, 48) and long_table.shape == (1024, 48)
+    angle = lambda table: torch.atan2(table[1, 24:], table[1, :24])  # noqa: E731 (position 1's angles)
+    torch.testing.assert_close(angle(short_table) / angle(long_table), torch.full((24,), 4.0), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="max_model_len must be positive"):
+        config.with_context(0)

@@ -142,6 +142,26 @@ def test_dynamic_ntk_table_is_transformers_at_the_scaled_context():
     assert abs(math.atan2(cache[1, dim // 2 + 1], cache[1, 1]) - base ** (-2 / dim)) < 1e-6
 
 
+@pytest.mark.parametrize("attention_factor", [None, 1.1], ids=["derived", "given"])
+@pytest.mark.parametrize("context", [256, 1024], ids=["short", "long"])
+def test_longrope_table_matches_transformers(context, attention_factor):
+    """LongRoPE: the short factors while the table fits the original context (256), the long ones
+    beyond it (transformers at a sequence that long), cos and sin times the attention factor
+    derived from the released context (1024) over the original one, or the one given."""
+    dim, original, released = 48, 256, 1024
+    generator = torch.Generator().manual_seed(0)
+    parameters = {"short_factor": (1 + torch.rand(dim // 2, generator=generator)).tolist(),
+                  "long_factor": (1 + 7 * torch.rand(dim // 2, generator=generator)).tolist(),
+                  "original_max_position_embeddings": original}
+    if attention_factor is not None:
+        parameters["attention_factor"] = attention_factor
+    cos, sin = transformers_cos_sin("longrope", parameters, dim, released, seq_len=context)
+    scaling = {"rope_type": "longrope", **parameters, "factor": released / original}
+    cache = ops.compute_cos_sin_cache(dim, context, base=10000.0, rope_scaling=scaling)
+    torch.testing.assert_close(cache[:, : dim // 2], cos, rtol=0, atol=2e-4)
+    torch.testing.assert_close(cache[:, dim // 2 :], sin, rtol=0, atol=2e-4)
+
+
 def test_rotary_embedding_rejects_bad_input():
     q = torch.randn(4, 2 * 64)
     k = torch.randn(4, 64)
@@ -163,8 +183,13 @@ def test_rotary_embedding_rejects_bad_input():
         ops.rotary_embedding(pos, q, k.half(), 64, cache)
     with pytest.raises(RuntimeError, match="cos_sin_cache must be float32 or query's dtype"):
         ops.rotary_embedding(pos, q, k, 64, cache.half())
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
-        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'mrope'"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "mrope", "mrope_section": [16, 8, 8]})
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' needs 'short_factor', 'long_factor'"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 8})
+    with pytest.raises(ValueError, match="rope_scaling short_factor has 3 entries; rotary_dim / 2 is 32"):
+        ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                                                        "short_factor": [1.0] * 3, "long_factor": [1.0] * 3})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' needs 'original_max_position_embeddings'"):
         ops.compute_cos_sin_cache(64, 16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match="rope_scaling type 'linear' needs 'factor'"):

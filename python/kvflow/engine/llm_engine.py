@@ -71,7 +71,8 @@ class LLMEngine:
         if not config.on_cuda and not self.platform.vector_kernels:
             logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
                            self.platform.model)
-        loaded = load_model(config.model, config.torch_dtype, config.device, config.cpu_prepack_weights)
+        loaded = load_model(config.model, config.torch_dtype, config.device, config.cpu_prepack_weights,
+                            config.max_model_len)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds

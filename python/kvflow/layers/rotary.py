@@ -8,12 +8,15 @@ from kvflow.ops.rope import compute_cos_sin_cache
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
-                 freq_factors: torch.Tensor | None = None, is_neox: bool = True):
+                 freq_factors: torch.Tensor | None = None, is_neox: bool = True, rotary_dim: int | None = None):
+        """rotary_dim: the leading features of each head that rotate (Phi-3's partial rotary);
+        None: all of them."""
         super().__init__()
         self.head_dim = head_dim
         self.is_neox = is_neox
-        cache = compute_cos_sin_cache(head_dim, max_position, base, rope_scaling, freq_factors=freq_factors)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)  # float32 [max_position, head_dim]
+        cache = compute_cos_sin_cache(rotary_dim or head_dim, max_position, base, rope_scaling,
+                                      freq_factors=freq_factors)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # float32 [max_position, rotary_dim]
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [tokens, heads * head_dim] and key in place."""

@@ -43,6 +43,11 @@ _SANDWICH_NORM_TENSORS = {
 # query_pre_attn_scalar). Their converter also stores the (1 + weight) norms with the 1 added.
 _GEMMA_GGUF = {"gemma2": (2, 46), "gemma3": (6, 62)}
 
+# phi3 stores q|k|v and gate|up fused, as its Hugging Face checkpoints do.
+_PHI3_FUSED_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors that are not parameters: Llama 3's frequency divisors, Phi-3's LongRoPE factors.
+_ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -108,9 +113,17 @@ def config_from_gguf(reader) -> ModelConfig:
     freq_factors = None
     if "rope_freqs.weight" in tensor_names:
         freq_factors = _dequantize(next(t for t in reader.tensors if t.name == "rope_freqs.weight")).flatten()
+    if "rope_factors_long.weight" in tensor_names:  # phi3's LongRoPE
+        factors = {t.name: _dequantize(t).flatten().tolist() for t in reader.tensors if t.name.startswith("rope_factors")}
+        rope_scaling = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                        "short_factor": factors.get("rope_factors_short.weight"),
+                        "original_max_position_embeddings": meta("rope.scaling.original_context_length"),
+                        "attention_factor": meta("rope.scaling.attn_factor")}
+        rope_scaling["factor"] = meta("context_length", 4096) / (rope_scaling["original_max_position_embeddings"] or 1)
 
     num_layers = meta("block_count")
     head_dim = meta("attention.key_length") or hidden_size // num_heads
+    rotary_dim = meta("rope.dimension_count")
     gemma = _gemma_fields(arch, meta, num_layers, hidden_size // num_heads, head_dim) if arch in _GEMMA_GGUF else {}
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     fields = dict(
@@ -129,7 +142,8 @@ def config_from_gguf(reader) -> ModelConfig:
         rope_freq_factors=freq_factors,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         tie_word_embeddings="output.weight" not in tensor_names,
-        sliding_window=meta("attention.sliding_window"),
+        rotary_dim=rotary_dim if rotary_dim and rotary_dim != head_dim else None,
+        sliding_window=meta("attention.sliding_window") or None,  # phi3 writes 0 for none
         attention_scale=meta("attention.scale") or None,  # llama.cpp writes 0 for the default
         embedding_multiplier=meta("embedding_scale", 1.0),
         residual_multiplier=meta("residual_scale", 1.0),
@@ -161,16 +175,18 @@ def _gemma_fields(arch: str, meta, num_layers: int, hidden_per_head: int, head_d
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors that are
-    not parameters (rope_freqs)."""
+    not parameters (rope_freqs, rope_factors_long/short)."""
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match:
         layer, tensor, kind = match.groups()
         names = {**_LAYER_TENSORS, **_SANDWICH_NORM_TENSORS} if arch in _GEMMA_GGUF else _LAYER_TENSORS
+        if arch == "phi3":
+            names = {**_LAYER_TENSORS, **_PHI3_FUSED_TENSORS}
         if tensor not in names:
             raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")
         return f"model.layers.{layer}.{names[tensor]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
-    if base == "rope_freqs":
+    if base in _ROPE_TENSORS:
         return None
     if base not in _GLOBAL_TENSORS:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")

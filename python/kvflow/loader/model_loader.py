@@ -51,9 +51,11 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", cpu_prepack_weights: bool = False) -> LoadedModel:
+               device: torch.device | str = "cpu", cpu_prepack_weights: bool = False,
+               max_model_len: int | None = None) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`
-    (float quantized weights are dequantized at load), with its tokenizer. On the CPU the weights
+    (float quantized weights are dequantized at load), with its tokenizer, for sequences of at
+    most max_model_len tokens (None: the model's context; see ModelConfig.with_context). On the CPU the weights
     are then prepared for the kernels: packed copies for many-row products where
     cpu_prepack_weights says so, and everything moved into huge pages (decode streams it every
     step)."""
@@ -75,6 +77,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
         graph_class = model_class(config.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
         weights = gguf_weights(reader, config)
+    config = config.with_context(max_model_len)
     with torch.device(device):
         graph = graph_class(config, dtype)
     graph.load_weights(weights)

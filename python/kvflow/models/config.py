@@ -1,6 +1,6 @@
 """The model's shape, read from a Hugging Face config.json or from GGUF metadata."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     rope_freq_factors: torch.Tensor | None = None  # GGUF's rope_freqs: inv_freq divisors (Llama 3 scaling)
+    rotary_dim: int | None = None  # the leading features of each head that rotate (partial_rotary_factor); None: all
     attention_bias: bool = False   # biases on q, k, v (Qwen2, Llama's attention_bias)
     o_proj_bias: bool = False      # a bias on o_proj too (Llama's attention_bias)
     mlp_bias: bool = False         # biases on gate, up and down (Llama's mlp_bias)
@@ -59,6 +60,9 @@ class ModelConfig:
             )
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"model config: head_dim {self.head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"model config: rotary_dim {self.rotary_dim} must be even and within head_dim "
+                             f"{self.head_dim} (partial_rotary_factor)")
         if self.layer_sliding_windows is not None and len(self.layer_sliding_windows) != self.num_layers:
             raise ValueError(f"model config: {len(self.layer_sliding_windows)} layer windows for "
                              f"{self.num_layers} layers")
@@ -70,6 +74,16 @@ class ModelConfig:
         for name in ("attention_logit_soft_cap", "final_logit_soft_cap"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive or None, got {getattr(self, name)}")
+
+    def with_context(self, max_model_len: int | None) -> "ModelConfig":
+        """This config for an engine that serves at most max_model_len tokens a sequence: the rope
+        table covers that context (and LongRoPE picks its short factors when it fits the original
+        one); None or more than the model's context keeps the model's."""
+        if max_model_len is None or max_model_len >= self.max_position_embeddings:
+            return self
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        return replace(self, max_position_embeddings=max_model_len)
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: the whole context)."""
@@ -127,7 +141,16 @@ class ModelConfig:
                 raise ValueError(f"model config: unsupported rope_scaling type {kind!r} "
                                  f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
         max_position = config.get("max_position_embeddings", 4096)
+        partial_rotary = (parameters or {}).get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        rotary_dim = None if partial_rotary == 1.0 else int(head_dim * partial_rotary)
         kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind == "longrope":
+            # Its original context is its own field or the config's; its attention factor follows
+            # the released context over that one unless the config gives a factor (transformers' rule).
+            original = (rope_scaling.get("original_max_position_embeddings")
+                        or config.get("original_max_position_embeddings") or max_position)
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": original,
+                            "factor": rope_scaling.get("factor") or max_position / original}
         if kind in ("yarn", "dynamic"):
             if not rope_scaling.get("factor"):
                 raise ValueError(f"model config: {kind} rope scaling needs a 'factor'")
@@ -165,6 +188,7 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
+            rotary_dim=rotary_dim,
             attention_bias=config.get("attention_bias", architecture.startswith("Qwen2")),
             o_proj_bias=bool(config.get("attention_bias")) and not architecture.startswith("Qwen2"),
             mlp_bias=bool(config.get("mlp_bias", False)),

@@ -93,11 +93,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                 config.rope_scaling, config.rope_freq_factors)
+                                 config.rope_scaling, config.rope_freq_factors, rotary_dim=config.rotary_dim)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                            scale=self.embedding_scale(config, dtype))
         local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.local_rope_theta)
+            config.head_dim, config.max_position_embeddings, config.local_rope_theta, rotary_dim=config.rotary_dim)
         self.layers = nn.ModuleList(
             self.layer_class(config, local_rotary if config.uses_local_rope(i) else rotary, dtype, i)
             for i in range(config.num_layers))
@@ -173,6 +173,9 @@ class LlamaForCausalLM(nn.Module):
                         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
                     copy_checked(parameter, tensor, f"checkpoint tensor {name!r}")
                     loaded.add(name)
+                    module = modules[module_name]
+                    if isinstance(module, MergedLinear):  # stored fused (Phi-3's qkv_proj, gate_up_proj)
+                        loaded.update(f"{name}:{part}" for part in range(len(module.part_sizes)))
         missing = []
         for name in sorted(expected):
             module_name = name.rpartition(".")[0]

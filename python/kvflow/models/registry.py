@@ -15,6 +15,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
@@ -27,6 +28,7 @@ GGUF_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }

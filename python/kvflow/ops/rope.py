@@ -5,10 +5,12 @@ import math
 import torch
 
 
-SUPPORTED_ROPE_SCALING = ("llama3", "linear", "yarn", "dynamic")  # the rope_scaling types compute_cos_sin_cache implements
+# the rope_scaling types compute_cos_sin_cache implements
+SUPPORTED_ROPE_SCALING = ("llama3", "linear", "yarn", "dynamic", "longrope")
 _REQUIRED_FIELDS = {"llama3": ("factor", "original_max_position_embeddings"), "linear": ("factor",),
                     "yarn": ("factor", "original_max_position_embeddings"),
-                    "dynamic": ("factor", "original_max_position_embeddings")}
+                    "dynamic": ("factor", "original_max_position_embeddings"),
+                    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -60,14 +62,33 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, scaling
     return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor
 
 
-def _dynamic_ntk_base(rotary_dim: int, base: float, scaling: dict, max_position: int) -> float:
-    """Dynamic NTK as vLLM applies it: one base for the whole scaled context (max_position, the
-    original context times factor), the base transformers uses once a sequence reaches that
-    length (transformers changes the base with the length; within the original context it keeps
-    the original one)."""
+def _dynamic_ntk_base(rotary_dim: int, base: float, scaling: dict) -> float:
+    """Dynamic NTK as vLLM applies it: one base for the whole scaled context (the original context
+    times factor), the base transformers uses once a sequence reaches that length (transformers
+    changes the base with the length; within the original context it keeps the original one)."""
     factor = scaling["factor"]
     old_context = scaling["original_max_position_embeddings"]
-    return base * (factor * max_position / old_context - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+    scaled_context = old_context * factor
+    return base * (factor * scaled_context / old_context - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, the long factors when the table
+    covers more than the original context and the short ones otherwise (llama.cpp's rule: one
+    rotation for the whole context; transformers switches with each sequence's length and agrees
+    within the original context). cos and sin are multiplied by sqrt(1 + ln(factor) / ln(original
+    context)), factor being the released context over the original one. Returns (inv_freq,
+    attention_factor)."""
+    old_context = scaling["original_max_position_embeddings"]
+    which = "long_factor" if max_position > old_context else "short_factor"
+    factors = torch.tensor(scaling[which], dtype=torch.float64)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"rope_scaling {which} has {factors.numel()} entries; rotary_dim / 2 is {inv_freq.numel()}")
+    factor = scaling.get("factor") or 1.0
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_context))
+    return inv_freq / factors, attention_factor
 
 
 def compute_cos_sin_cache(
@@ -85,8 +106,10 @@ def compute_cos_sin_cache(
     rope_scaling: None, {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     "original_max_position_embeddings"}, {"rope_type": "linear", "factor"}, {"rope_type": "yarn",
     "factor", "original_max_position_embeddings", optional "beta_fast", "beta_slow",
-    "attention_factor", "mscale", "mscale_all_dim", "truncate"} or {"rope_type": "dynamic",
-    "factor", "original_max_position_embeddings"} (max_position then being the scaled context).
+    "attention_factor", "mscale", "mscale_all_dim", "truncate"}, {"rope_type": "dynamic",
+    "factor", "original_max_position_embeddings"} or {"rope_type": "longrope", "short_factor",
+    "long_factor", "original_max_position_embeddings", optional "factor", "attention_factor"}
+    (the long factors when max_position exceeds the original context).
     freq_factors [rotary_dim / 2]: divisors of each frequency, as GGUF files store Llama 3 scaling.
     """
     if rotary_dim <= 0 or rotary_dim % 2:
@@ -98,7 +121,7 @@ def compute_cos_sin_cache(
     if missing:
         raise ValueError(f"rope_scaling type {rope_type!r} needs {', '.join(map(repr, missing))}")
     if rope_type == "dynamic":
-        base = _dynamic_ntk_base(rotary_dim, base, rope_scaling, max_position)
+        base = _dynamic_ntk_base(rotary_dim, base, rope_scaling)
     inv_freq = base ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     positions = torch.arange(max_position, dtype=torch.float64)
     if freq_factors is not None:
@@ -112,6 +135,8 @@ def compute_cos_sin_cache(
         positions = positions / rope_scaling["factor"]
     elif rope_type == "yarn":
         inv_freq, magnitude = _yarn_inv_freq(inv_freq, rotary_dim, base, rope_scaling)
+    elif rope_type == "longrope":
+        inv_freq, magnitude = _longrope_inv_freq(inv_freq, rope_scaling, max_position)
     angles = torch.outer(positions, inv_freq)
     return (torch.cat([angles.cos(), angles.sin()], dim=-1) * magnitude).to(dtype=dtype, device=device)
 
