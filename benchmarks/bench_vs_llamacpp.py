@@ -60,8 +60,8 @@ def llama_offline(bin_dir: str, gguf: str, threads: int, requests: int) -> float
     return requests * 128 / row["t"]
 
 
-def kvflow_one_request(llm: LLM, repetitions: int) -> dict:
-    rng = random.Random(0)
+def kvflow_one_request(llm: LLM, repetitions: int, seed: int) -> dict:
+    rng = random.Random(seed)  # new prompts for every call: a repeated one would hit the prefix cache
     vocab = llm.tokenizer.vocab_size
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     ttfts, tpots = [], []
@@ -74,8 +74,8 @@ def kvflow_one_request(llm: LLM, repetitions: int) -> dict:
     return {"ttft": statistics.median(ttfts), "tpot": statistics.median(tpots)}
 
 
-def kvflow_offline(llm: LLM, requests: int) -> float:
-    rng = random.Random(1)
+def kvflow_offline(llm: LLM, requests: int, seed: int) -> float:
+    rng = random.Random(seed)
     vocab = llm.tokenizer.vocab_size
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(128)] for _ in range(requests)]
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -127,7 +127,7 @@ def main():
     print("\n".join(lines), flush=True)
     for round_index in range(args.rounds):
         before = read_bandwidth("cpu")
-        ours = kvflow_one_request(llm, args.repetitions)
+        ours = kvflow_one_request(llm, args.repetitions, seed=3 * round_index)
         theirs = llama_one_request(args.llama_cpp_bin, args.gguf, threads, args.repetitions)
         after = read_bandwidth("cpu")
         bandwidth = (before + after) / 2
@@ -136,12 +136,12 @@ def main():
                  f"{theirs['tpot'] * 1e3:.2f} ms", f"{ours['tpot'] / floor:.2f}x", f"{ours['tpot'] / theirs['tpot']:.2f}x",
                  f"{ours['ttft'] * 1e3:.0f} ms", f"{theirs['ttft'] * 1e3:.0f} ms", f"{ours['ttft'] / theirs['ttft']:.2f}x"]
         if not args.no_offline:
-            ours_offline = kvflow_offline(llm, args.requests)
+            ours_offline = kvflow_offline(llm, args.requests, seed=3 * round_index + 1)
             theirs_offline = llama_offline(args.llama_cpp_bin, args.gguf, threads, args.requests)
             cells += [f"{ours_offline:.1f}", f"{theirs_offline:.1f}", f"{ours_offline / theirs_offline:.2f}x"]
         if args.contention:
             with busy_loop_on_last_core():
-                ours_busy = kvflow_one_request(llm, args.repetitions)
+                ours_busy = kvflow_one_request(llm, args.repetitions, seed=3 * round_index + 2)
                 theirs_busy = llama_one_request(args.llama_cpp_bin, args.gguf, threads, args.repetitions)
             cells += [f"{ours_busy['tpot'] / ours['tpot']:.2f}x ({ours_busy['tpot'] * 1e3:.1f} ms)",
                       f"{theirs_busy['tpot'] / theirs['tpot']:.2f}x ({theirs_busy['tpot'] * 1e3:.1f} ms)"]

@@ -3,6 +3,7 @@ over all of them as one flattened batch, and samples the requests that are due a
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvflow.attention_metadata import HostMetadata
@@ -52,6 +53,7 @@ class ModelRunner:
         self.decode_graphs: DecodeCudaGraphs | None = None
         self.cpu_programs: CpuDecodePrograms | None = None
         self._last_sampling_rows: tuple | None = None
+        self._offsets: dict[int, tuple[torch.Tensor, np.ndarray]] = {}  # batch size -> (tensor, its numpy view)
         if self.device.type == "cpu" and cpu_programs:
             self.cpu_programs = CpuDecodePrograms(model, self.kv_caches, block_size, config.max_position_embeddings)
 
@@ -119,7 +121,7 @@ class ModelRunner:
         if any(p.has_penalties for p in params):
             self._apply_penalties(logits, requests)
         token_ids = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
-                           self._tensor([len(r.output_token_ids) for r in requests], torch.int64))
+                           self._output_offsets(requests))
         tokens = token_ids.tolist()
         results = [SampledToken(t) for t in tokens]
         if raw_logits is not logits:
@@ -163,6 +165,18 @@ class ModelRunner:
                 self._tensor(seeds, torch.int64))
         self._last_sampling_rows = (key, params, rows)
         return rows
+
+    def _output_offsets(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """Each request's output length (its sampling offset), written into a tensor kept per batch
+        size: after the decode region the caches are cold, and building a new tensor from a list
+        then costs about 0.1 ms."""
+        n = len(requests)
+        if n not in self._offsets:
+            tensor = torch.zeros(n, dtype=torch.int64)
+            self._offsets[n] = (tensor, tensor.numpy())
+        tensor, view = self._offsets[n]
+        view[:] = [len(r.output_token_ids) for r in requests]
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor on the runner's device."""
