@@ -322,6 +322,10 @@ _GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q
                      "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
+_GGUF_OLMO2_NORM_NAMES = {"post_attention_layernorm": "attn_post_norm",
+                          "post_feedforward_layernorm": "ffn_post_norm"}
+
+
 _GGUF_GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                           "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -349,7 +353,8 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3: the global layers'
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if arch != "gemma":  # llama.cpp's Gemma converter writes no base: the default 10000
+        writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -385,14 +390,16 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
             names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORM_NAMES} if gemma else _GGUF_LAYER_NAMES
+            if arch == "olmo2":
+                names = {**_GGUF_LAYER_NAMES, **_GGUF_OLMO2_NORM_NAMES}
             gguf_name = f"blk.{layer}.{names[module]}.{kind}"
-            if arch == "granite" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("granite", "smollm3") and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = config.num_attention_heads if module == "self_attn.q_proj" else config.num_key_value_heads
                 tensor = llama_cpp_permuted(tensor, heads)
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
-        if gemma and name.endswith("norm.weight"):
+        if (gemma or arch == "gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
@@ -404,9 +411,10 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
 
 @pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True), ("qwen3", False),
                                        ("granite", True), ("gemma2", True), ("gemma3", True), ("phi3", True),
-                                       ("phi3-longrope", False)],
+                                       ("phi3-longrope", False), ("gemma", True), ("olmo2", False), ("smollm3", True)],
                          ids=["qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied", "granite-tied", "gemma2-tied",
-                              "gemma3-tied", "phi3-window-partial-rotary", "phi3-longrope"])
+                              "gemma3-tied", "phi3-window-partial-rotary", "phi3-longrope", "gemma-tied", "olmo2-untied",
+                              "smollm3-tied"])
 def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     """The same random Qwen2 (biases and all), Qwen3 (QK-norm weights), Gemma 2 (caps, windows)
     or Gemma 3 (two rope bases, linear scaling on the global layers) written as llama.cpp's
@@ -437,6 +445,16 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
         config = Phi3Config(**shape, tie_word_embeddings=tied, pad_token_id=None)
         reference = save_randomised(Phi3ForCausalLM(config), tmp_path / "hf", tokenizer)
         arch = "phi3"
+    elif arch == "gemma":  # llama.cpp takes the default rope base (the file has none) and ties the embeddings
+        config = GemmaConfig(**SHAPE, head_dim=64, pad_token_id=None)
+        reference = save_randomised(GemmaForCausalLM(config), tmp_path / "hf", tokenizer)
+    elif arch == "olmo2":
+        config = Olmo2Config(**SHAPE, pad_token_id=None, tie_word_embeddings=tied)
+        reference = save_randomised(Olmo2ForCausalLM(config), tmp_path / "hf", tokenizer)
+    elif arch == "smollm3":  # llama.cpp fixes the rope-less layers at every 4th, SmolLM3's default
+        config = SmolLM3Config(**SHAPE, pad_token_id=None, tie_word_embeddings=tied)
+        assert config.no_rope_layers == [1, 1, 1, 0]
+        reference = save_randomised(SmolLM3ForCausalLM(config), tmp_path / "hf", tokenizer)
     else:
         config = Qwen3Config(**SHAPE, head_dim=64, tie_word_embeddings=tied)
         reference = save_randomised(Qwen3ForCausalLM(config), tmp_path / "hf", tokenizer)
@@ -444,7 +462,9 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     config = config_from_gguf(reader)
     expected = {"qwen2": ("Qwen2ForCausalLM", True), "qwen3": ("Qwen3ForCausalLM", False),
                 "gemma2": ("Gemma2ForCausalLM", False), "gemma3": ("Gemma3ForCausalLM", False),
-                "granite": ("GraniteForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}[arch]
+                "granite": ("GraniteForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
+                "gemma": ("GemmaForCausalLM", False), "olmo2": ("Olmo2ForCausalLM", False),
+                "smollm3": ("SmolLM3ForCausalLM", False)}[arch]
     assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == (*expected, tied)
     graph = model_class(config.architecture)(config, torch.float32)
     graph.load_weights(gguf_weights(reader, config))

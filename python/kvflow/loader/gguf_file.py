@@ -16,7 +16,11 @@ from kvflow.models.registry import GGUF_ARCHITECTURES
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp stores the q and k rows of these architectures permuted for its interleaved RoPE.
-_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "granite")
+_PERMUTED_QK_ARCHITECTURES = ("llama", "mistral", "granite", "smollm3")
+# Gemma's converter stores its (1 + w) norms with the 1 added, which kvflow's norms add themselves.
+_NORMS_STORED_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+# llama.cpp fixes SmolLM3's layers without rope rather than storing them: every 4th.
+_SMOLLM3_NO_ROPE_PERIOD = 4
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -43,6 +47,8 @@ _SANDWICH_NORM_TENSORS = {
 # query_pre_attn_scalar). Their converter also stores the (1 + weight) norms with the 1 added.
 _GEMMA_GGUF = {"gemma2": (2, 46), "gemma3": (6, 62)}
 
+# olmo2 norms each sublayer's output only.
+_OLMO2_NORM_TENSORS = {"attn_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}
 # phi3 stores q|k|v and gate|up fused, as its Hugging Face checkpoints do.
 _PHI3_FUSED_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Tensors that are not parameters: Llama 3's frequency divisors, Phi-3's LongRoPE factors.
@@ -124,7 +130,15 @@ def config_from_gguf(reader) -> ModelConfig:
     num_layers = meta("block_count")
     head_dim = meta("attention.key_length") or hidden_size // num_heads
     rotary_dim = meta("rope.dimension_count")
-    gemma = _gemma_fields(arch, meta, num_layers, hidden_size // num_heads, head_dim) if arch in _GEMMA_GGUF else {}
+    family_fields = {}  # what a family's file implies beyond the common keys
+    if arch in _GEMMA_GGUF:
+        family_fields = _gemma_fields(arch, meta, num_layers, hidden_size // num_heads, head_dim)
+    elif arch == "gemma":
+        family_fields = {"hidden_act": "gelu_pytorch_tanh"}
+    if arch == "olmo2" and meta("attention.sliding_window"):
+        raise ValueError("GGUF file: olmo2.attention.sliding_window (OLMo 3's windowed layers) is not supported")
+    if arch == "smollm3":
+        family_fields = {"layer_uses_rope": [(i + 1) % _SMOLLM3_NO_ROPE_PERIOD != 0 for i in range(num_layers)]}
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     fields = dict(
         architecture=GGUF_ARCHITECTURES[arch],
@@ -151,7 +165,7 @@ def config_from_gguf(reader) -> ModelConfig:
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
     )
-    return ModelConfig(**fields | gemma)
+    return ModelConfig(**fields | family_fields)
 
 
 def _gemma_fields(arch: str, meta, num_layers: int, hidden_per_head: int, head_dim: int) -> dict:
@@ -182,6 +196,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
         names = {**_LAYER_TENSORS, **_SANDWICH_NORM_TENSORS} if arch in _GEMMA_GGUF else _LAYER_TENSORS
         if arch == "phi3":
             names = {**_LAYER_TENSORS, **_PHI3_FUSED_TENSORS}
+        elif arch == "olmo2":
+            names = {**_LAYER_TENSORS, **_OLMO2_NORM_TENSORS}
         if tensor not in names:
             raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in kvflow's model")
         return f"model.layers.{layer}.{names[tensor]}.{kind}"
@@ -202,8 +218,8 @@ def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tenso
         if name is None:
             continue
         weight = _dequantize(tensor)
-        if arch in _GEMMA_GGUF and name.endswith("norm.weight"):
-            weight = weight - 1.0  # stored with Gemma's 1 added, which kvflow's norms add themselves
+        if arch in _NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1.0
         if arch in _PERMUTED_QK_ARCHITECTURES:
             if ".q_proj." in name:
                 weight = _unpermute_rows(weight, config.num_heads)

@@ -23,14 +23,17 @@ MODEL_CLASSES = {
 
 # GGUF general.architecture -> the Hugging Face name of the same graph
 GGUF_ARCHITECTURES = {
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
