@@ -28,9 +28,20 @@ mkdir -p build
 start=$SECONDS
 run_on Haswell > build/emulated-Haswell.out & haswell=$!
 run_on Snowridge > build/emulated-Snowridge.out & scalar=$!
+show_log() { grep -v "TCG doesn't support" "build/emulated-$1.log" >&2; }
 for cpu in Haswell Snowridge; do
   pid=$haswell; [ "$cpu" = Snowridge ] && pid=$scalar
-  wait "$pid" || { grep -v "TCG doesn't support" "build/emulated-$cpu.log" >&2; echo "the engine failed on an emulated $cpu" >&2; exit 1; }
+  status=0
+  wait "$pid" || status=$?
+  if [ "$status" = 132 ]; then
+    # An illegal instruction once took an emulated CPU down on one CI host and not on others; a
+    # fault of kvflow's own kernels repeats, so only a second one fails the check.
+    show_log "$cpu"
+    echo "an illegal instruction on the emulated $cpu (the Python stack is above); running it once more" >&2
+    status=0
+    run_on "$cpu" > "build/emulated-$cpu.out" || status=$?
+  fi
+  [ "$status" = 0 ] || { show_log "$cpu"; echo "the engine failed on an emulated $cpu (exit $status)" >&2; exit 1; }
 done
 out_Haswell=$(cat build/emulated-Haswell.out)
 out_Snowridge=$(cat build/emulated-Snowridge.out)
