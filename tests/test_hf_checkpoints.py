@@ -255,7 +255,8 @@ def phi3_longrope(seed: int) -> dict:
             "long_factor": [1.0 + 7.0 * rng.random() for _ in range(24)]}
 
 
-@pytest.mark.parametrize("variant", ["untied-window", "tied-partial-rotary", "longrope-short", "longrope-long"])
+@pytest.mark.parametrize("variant", ["untied-window", "tied-partial-rotary", "longrope-short", "longrope-long",
+                                     "head_dim_96"])
 def test_phi3_matches_transformers(variant, tokenizer, tmp_path):
     """Phi-3's checkpoints store q|k|v and gate|up fused (qkv_proj, gate_up_proj). Phi-3-mini has
     a window on every layer; Phi-4-mini rotates 3/4 of each head (partial_rotary_factor) and ties
@@ -268,6 +269,9 @@ def test_phi3_matches_transformers(variant, tokenizer, tmp_path):
     max_model_len, lengths = 512, (5, 40, 150)
     if variant == "untied-window":
         shape.update(sliding_window=WINDOW)
+    elif variant == "head_dim_96":  # Phi-3-mini's head size (3072 / 32)
+        shape.update(hidden_size=192)
+        assert shape["hidden_size"] // shape["num_attention_heads"] == 96
     elif variant == "tied-partial-rotary":
         shape.update(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"],
                                                                  "partial_rotary_factor": 0.75})
@@ -301,11 +305,14 @@ def test_granite_matches_transformers(variant, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("variant", [dict(attention_bias=True), dict(mlp_bias=True), dict(hidden_act="gelu"),
                                      dict(hidden_act="gelu_pytorch_tanh"),
-                                     dict(attention_bias=True, mlp_bias=True, hidden_act="gelu")],
-                         ids=["attention_bias", "mlp_bias", "gelu", "gelu_pytorch_tanh", "all"])
+                                     dict(attention_bias=True, mlp_bias=True, hidden_act="gelu"),
+                                     dict(hidden_size=160, head_dim=80)],
+                         ids=["attention_bias", "mlp_bias", "gelu", "gelu_pytorch_tanh", "all", "head_dim_80"])
 def test_llama_variants_match_transformers(variant, tokenizer, tmp_path):
-    """attention_bias puts biases on q, k, v and o_proj; mlp_bias on gate, up and down."""
-    reference = save_randomised(LlamaForCausalLM(LlamaConfig(**SHAPE, **variant)), tmp_path, tokenizer)
+    """attention_bias puts biases on q, k, v and o_proj; mlp_bias on gate, up and down; head_dim
+    80 runs the attention kernels compiled for it."""
+    reference = save_randomised(LlamaForCausalLM(LlamaConfig(**{**SHAPE, **variant})), tmp_path, tokenizer)
+    assert reference.config.head_dim == variant.get("head_dim", 64)
     assert_matches_transformers(reference, tmp_path)
 
 
