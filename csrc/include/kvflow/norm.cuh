@@ -43,6 +43,29 @@ __device__ __forceinline__ float rms_scale(float sum_of_squares, int64_t hidden,
   return 1.f / sqrtf(block_sum(sum_of_squares) / float(hidden) + eps);
 }
 
+// The block's 1 / rms of row x (every thread gets it): sum of squares, then block_sum.
+template <typename T, bool kPacked>
+__device__ __forceinline__ float row_rms_scale(const T* x, int64_t hidden, float eps) {
+  float sum = 0.f;
+  if constexpr (kPacked) {
+    constexpr int N = Pack<T>::kSize;
+    for (int64_t p = threadIdx.x; p < hidden / N; p += blockDim.x) {
+      const Pack<T> v = load_pack(x + p * N);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float f = load_float(v.v[j]);
+        sum += f * f;
+      }
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+      const float f = load_float(x[i]);
+      sum += f * f;
+    }
+  }
+  return rms_scale(sum, hidden, eps);
+}
+
 // out may alias input: each thread writes only elements it has itself read.
 template <typename T, bool kPacked>
 __global__ void __launch_bounds__(kNormMaxThreads)
@@ -55,19 +78,10 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   const int64_t r = blockIdx.x;
   const T* x = input + groups.in_offset(r, in_stride);
   T* y = out + groups.out_offset(r, out_stride);
-  float sum = 0.f;
+  const float scale = row_rms_scale<T, kPacked>(x, hidden, eps);
   if constexpr (kPacked) {
     constexpr int N = Pack<T>::kSize;
     const int64_t packs = hidden / N;
-    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-      const Pack<T> v = load_pack(x + p * N);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float f = load_float(v.v[j]);
-        sum += f * f;
-      }
-    }
-    const float scale = rms_scale(sum, hidden, eps);
     for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
       const Pack<T> v = load_pack(x + p * N);
       const Pack<T> w = load_pack(weight + p * N);
@@ -77,11 +91,6 @@ __global__ void __launch_bounds__(kNormMaxThreads)
       store_pack(y + p * N, r);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float f = load_float(x[i]);
-      sum += f * f;
-    }
-    const float scale = rms_scale(sum, hidden, eps);
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) y[i] = scaled(x[i], weight[i], scale, weight_offset);
   }
 }
@@ -146,19 +155,10 @@ __global__ void __launch_bounds__(kNormMaxThreads)
                         int64_t hidden, float eps, float weight_offset) {
   const T* x = input + int64_t(blockIdx.x) * in_stride;
   T* res = residual + int64_t(blockIdx.x) * res_stride;
-  float sum = 0.f;
+  const float scale = row_rms_scale<T, kPacked>(x, hidden, eps);
   if constexpr (kPacked) {
     constexpr int N = Pack<T>::kSize;
     const int64_t packs = hidden / N;
-    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-      const Pack<T> v = load_pack(x + p * N);
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const float f = load_float(v.v[j]);
-        sum += f * f;
-      }
-    }
-    const float scale = rms_scale(sum, hidden, eps);
     for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
       const Pack<T> v = load_pack(x + p * N);
       const Pack<T> w = load_pack(weight + p * N);
@@ -170,11 +170,6 @@ __global__ void __launch_bounds__(kNormMaxThreads)
       store_pack(res + p * N, r);
     }
   } else {
-    for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-      const float f = load_float(x[i]);
-      sum += f * f;
-    }
-    const float scale = rms_scale(sum, hidden, eps);
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
       res[i] = store_float<T>(load_float(res[i]) + load_float(scaled(x[i], weight[i], scale, weight_offset)));
     }
