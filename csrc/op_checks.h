@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -349,6 +350,16 @@ inline void check_logits_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2, "logits must be [batch, vocab], got shape ", logits.sizes());
   TORCH_CHECK(logits.stride(1) == 1, "logits must have unit stride along the vocabulary");
   TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty vocabulary");
+}
+
+// scale_logits: float32 logits [rows, vocab] (unit stride along the vocabulary), a finite
+// divisor > 0, a finite soft_cap >= 0 (0: no cap).
+inline void check_scale_logits_args(const at::Tensor& logits, double divisor, double soft_cap) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "scale_logits needs float32 logits, got ", logits.scalar_type());
+  check_logits_rows(logits);
+  TORCH_CHECK(std::isfinite(divisor) && divisor > 0, "scale_logits: divisor = ", divisor, " must be finite and > 0");
+  TORCH_CHECK(std::isfinite(soft_cap) && soft_cap >= 0, "scale_logits: soft_cap = ", soft_cap,
+              " must be finite and >= 0 (0 = no cap)");
 }
 
 struct SamplingGeometry {

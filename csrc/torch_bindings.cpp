@@ -52,8 +52,11 @@ TORCH_LIBRARY(kvflow, m) {
   // restricted to the top_k, then the top_p mass, then probabilities >= min_p * max, with
   // Philox keyed by (seeds[row], offsets[row]).
   m.def(
-      "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
-      "Tensor offsets) -> Tensor");
+      "sample(Tensor! out, Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor seeds, Tensor offsets) -> ()");
+  // A family's last step on float32 logits, in place: logits / divisor, then
+  // soft_cap * tanh(logits / soft_cap) when soft_cap > 0.
+  m.def("scale_logits(Tensor! logits, float divisor=1.0, float soft_cap=0.0) -> ()");
   // The distribution sample() draws from, as logits: divided by T, filtered tokens set to -inf.
   m.def("apply_sampling_filters(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> ()");
   // Repetition (prompt and output tokens), frequency and presence (output counts) penalties.
@@ -86,6 +89,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
   m.impl("paged_attention", &kvflow::cpu::paged_attention);
   m.impl("sample", &kvflow::cpu::sample);
+  m.impl("scale_logits", &kvflow::cpu::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cpu::apply_sampling_filters);
   m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
@@ -109,6 +113,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
   m.impl("paged_attention", &kvflow::cuda::paged_attention);
   m.impl("sample", &kvflow::cuda::sample);
+  m.impl("scale_logits", &kvflow::cuda::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cuda::apply_sampling_filters);
   m.impl("apply_penalties", &kvflow::cuda::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cuda::compute_logprobs);

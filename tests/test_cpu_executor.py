@@ -14,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.attention_metadata import AttentionMetadata, HostMetadata
+from kvflow import ops
+from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch_size
 from kvflow.engine.kv_cache import allocate_kv_caches
+from kvflow.engine.model_runner import ScheduledRequest
+from kvflow.engine.sampling_params import SamplingParams
 from kvflow.layers import Linear, RMSNorm
 from kvflow.models.config import ModelConfig
 from kvflow.models.gemma import GemmaForCausalLM
@@ -51,10 +54,10 @@ VARIANTS = {
 }
 
 
-def small_model(dtype, variant="llama", tie=False):
+def small_model(dtype, variant="llama", tie=False, **overrides):
     shape = dict(vocab_size=97, hidden_size=192, intermediate_size=320, num_layers=2, num_heads=6, num_kv_heads=2,
                  head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
-    config = ModelConfig("LlamaForCausalLM", tie_word_embeddings=tie, **(shape | VARIANTS[variant]))
+    config = ModelConfig("LlamaForCausalLM", tie_word_embeddings=tie, **(shape | VARIANTS[variant] | overrides))
     torch.manual_seed(0)
     graph = {"qwen3_qk_norm": Qwen3ForCausalLM, "gemma": GemmaForCausalLM, "olmo2": Olmo2ForCausalLM,
              "gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM}.get(variant, LlamaForCausalLM)
@@ -84,10 +87,15 @@ def decode_step(model, context_lens, dtype, seed=0):
     return ids, md, kv
 
 
-def host_of(md):
-    """The step's metadata as the runner hands it to the programs: host lists."""
-    return HostMetadata(md.positions.tolist(), md.slot_mapping.tolist(), md.block_tables.tolist(),
-                        md.cu_seqlens_q.tolist(), md.seq_lens.tolist(), md.max_query_len, md.max_seq_len)
+def requests_of(ids, md, sampling=None):
+    """The step as the runner hands it to the programs: one ScheduledRequest per decode token
+    (greedy unless sampling gives each row's parameters, seed and output offset)."""
+    n = len(ids)
+    params, seeds, offsets = sampling or ([SamplingParams(temperature=0.0)] * n, [0] * n, [0] * n)
+    return [ScheduledRequest([token], position, table[:-(-(position + 1) // BLOCK)], p, seed,
+                             output_token_ids=[0] * offset)
+            for token, position, table, p, seed, offset in zip(ids.tolist(), md.positions.tolist(),
+                                                               md.block_tables.tolist(), params, seeds, offsets)]
 
 
 def op_by_op(model, ids, md, kv):
@@ -95,27 +103,54 @@ def op_by_op(model, ids, md, kv):
         return model.compute_logits(model(ids, md, kv))
 
 
-def replay(model, ids, md, kv, times=2):
+def sampling_of(batch, seed=0):
+    """Each row's sampling parameters (greedy, plain, top-k, top-p and min-p rows in turn), seed
+    and output offset."""
+    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+             dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, min_p=0.05, top_k=40)]
+    params = [SamplingParams(**kinds[i % len(kinds)]) for i in range(batch)]
+    return params, [seed + 1000 * i for i in range(batch)], [3 * i + 1 for i in range(batch)]
+
+
+def op_by_op_tokens(logits, params, seeds, offsets):
+    def column(name, dtype):
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype)
+
+    return ops.sample(logits, column("temperature", torch.float32), column("top_k", torch.int32),
+                      column("top_p", torch.float32), column("min_p", torch.float32), torch.tensor(seeds),
+                      torch.tensor(offsets))
+
+
+def run_program(programs, requests):
+    """A program step's logits (copied out of the arena) and tokens, as tensors."""
+    result = programs.run(requests)
+    return result.logits.clone(), torch.tensor(result.token_ids)
+
+
+def replay(model, ids, md, kv, times=2, sampling=None):
     """The step captured (its first run) and replayed `times` times on fresh copies of the caches;
-    returns the last replay's logits and caches, and the programs."""
+    returns the last replay's logits and tokens, and the programs."""
     programs = CpuDecodePrograms(model, kv, BLOCK, model.config.max_position_embeddings)
     saved = [(k.clone(), v.clone()) for k, v in kv]
-    logits = None
+    logits = tokens = None
     for _ in range(1 + times):
         for (k, v), (k0, v0) in zip(kv, saved):
             k.copy_(k0)
             v.copy_(v0)
-        logits = programs.run(ids.tolist(), host_of(md)).clone()
+        logits, tokens = run_program(programs, requests_of(ids, md, sampling))
     assert programs.refusals == {}
-    return logits, programs
+    return logits, tokens, programs
 
 
 def assert_replay_equals_op_by_op(model, ids, md, kv):
+    """Logits, sampled tokens and every cache, bit for bit."""
     kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
     expected = op_by_op(model, ids, md, kv)
-    logits, programs = replay(model, ids, md, kv_replayed)
+    sampling = sampling_of(len(ids))
+    logits, tokens, programs = replay(model, ids, md, kv_replayed, sampling=sampling)
     assert programs.replays == 2  # replayed, not run op by op
     assert torch.equal(logits, expected)
+    assert torch.equal(tokens, op_by_op_tokens(expected, *sampling))
     for (k, v), (k1, v1) in zip(kv, kv_replayed):
         assert torch.equal(k, k1) and torch.equal(v, v1)
 
@@ -249,8 +284,11 @@ def test_op_by_op_and_replay_match_plain_pytorch(variant, context_lens):
     expected = reference_logits(model, ids, md, kv)
     kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
     torch.testing.assert_close(op_by_op(model, ids, md, kv), expected, rtol=1e-4, atol=1e-4)
-    logits, _ = replay(model, ids, md, kv_replayed, times=1)
+    logits, tokens, _ = replay(model, ids, md, kv_replayed, times=1)
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    top2 = expected.topk(2).values
+    clear = top2[:, 0] - top2[:, 1] > 1e-3  # rows whose argmax no rounding can change
+    assert torch.equal(tokens[clear], expected.argmax(-1)[clear])  # greedy rows
 
 
 class QKNormGeluLayer(nn.Module):
@@ -348,53 +386,106 @@ def test_the_arena_reuses_the_memory_of_finished_layers():
     """A program's intermediates share memory once no thread can still read them: its arena does
     not grow with the number of layers."""
     def arena_bytes(layers):
-        model = small_model(torch.bfloat16)
-        model.config.num_layers = layers
-        model = LlamaForCausalLM(model.config, torch.bfloat16)
+        model = small_model(torch.bfloat16, num_layers=layers)
         ids, md, kv = decode_step(model, [9, 20, 31], torch.bfloat16)
         programs = CpuDecodePrograms(model, kv, BLOCK, 512)
-        programs.run(ids.tolist(), host_of(md))
+        programs.run(requests_of(ids, md))
         return programs.programs[3].arena.numel()
 
     assert arena_bytes(8) == arena_bytes(2)
 
 
 @pytest.mark.parametrize("spoil,message", [
-    (lambda md: md.positions.add_(1000), r"positions\[0\] = 1\d\d\d is outside"),
-    (lambda md: md.slot_mapping.fill_(10 ** 6), r"slot_mapping\[0\] = 1000000 is outside"),
-    (lambda md: md.slot_mapping.fill_(3), "more than once"),
-    (lambda md: md.block_tables.fill_(99), r"block_tables\[0\]\[0\] = 99 is not a block id"),
-    (lambda md: md.seq_lens.fill_(0), r"seq_lens\[0\] = 0 is shorter than its 1 query tokens"),
+    (lambda s: s.metadata.positions.add_(1000), r"positions\[0\] = 1\d\d\d is outside"),
+    (lambda s: s.metadata.slot_mapping.fill_(10 ** 6), r"slot_mapping\[0\] = 1000000 is outside"),
+    (lambda s: s.metadata.slot_mapping.fill_(3), "more than once"),
+    (lambda s: s.metadata.block_tables.fill_(99), r"block_tables\[0\]\[0\] = 99 is not a block id"),
+    (lambda s: s.metadata.seq_lens.fill_(0), r"seq_lens\[0\] = 0 is shorter than its 1 query tokens"),
+    (lambda s: s.temperature.fill_(-1.0), r"temperature\[0\] = -1 must be finite and >= 0"),
+    (lambda s: s.top_p[1:].fill_(0.0), r"top_p\[1\] = 0 must be in \(0, 1\]"),
 ])
 def test_a_bad_step_is_refused_before_any_node_writes(spoil, message, threads):
     """The replay reads the step from its static buffers: spoiled there, every node's check runs
-    before the first node writes, so the caches and the output keep their values, and the next
+    before the first node writes, so the caches and the outputs keep their values, and the next
     good step replays as before."""
     model = small_model(torch.bfloat16)
     ids, md, kv = decode_step(model, [37, 4], torch.bfloat16)
     programs = CpuDecodePrograms(model, kv, BLOCK, 512)
     kv_before = [t.clone() for pair in kv for t in pair]
-    programs.run(ids.tolist(), host_of(md))  # captured
+    programs.run(requests_of(ids, md))  # captured
     for t, old in zip((t for pair in kv for t in pair), kv_before):
         t.copy_(old)
-    good = programs.run(ids.tolist(), host_of(md)).clone()  # replayed
+    good = run_program(programs, requests_of(ids, md))  # replayed
     captured = programs.programs[2]
     before = [t.clone() for pair in kv for t in pair]
-    output_before = captured.output.clone()
-    static = programs.buffers[2].metadata
-    saved = [t.clone() for t in (static.positions, static.slot_mapping, static.block_tables, static.seq_lens)]
+    outputs_before = [t.clone() for t in captured.outputs]
+    static = programs.buffers[2]
+    inputs = (static.metadata.positions, static.metadata.slot_mapping, static.metadata.block_tables,
+              static.metadata.seq_lens, static.temperature, static.top_p)
+    saved = [t.clone() for t in inputs]
     with torch.inference_mode():  # the buffers are inference tensors
         spoil(static)
     with pytest.raises(RuntimeError, match=message):
         captured.program.run(1, 512)
     assert all(torch.equal(a, b) for a, b in zip(before, (t for pair in kv for t in pair)))
-    assert torch.equal(captured.output, output_before)
+    assert all(torch.equal(a, b) for a, b in zip(captured.outputs, outputs_before))
     with torch.inference_mode():
-        for t, s in zip((static.positions, static.slot_mapping, static.block_tables, static.seq_lens), saved):
+        for t, s in zip(inputs, saved):
             t.copy_(s)
     for t, old in zip((t for pair in kv for t in pair), kv_before):
         t.copy_(old)
-    assert torch.equal(programs.run(ids.tolist(), host_of(md)), good)
+    assert all(torch.equal(a, b) for a, b in zip(run_program(programs, requests_of(ids, md)), good))
+
+
+def test_a_step_that_is_not_all_decode_is_left_to_the_op_by_op_path_and_the_next_replay_is_right():
+    """A step with a prompt chunk, or a row due no token, runs no program (None: the runner runs
+    it op by op); rows it wrote on the way are padding again in the next step, whose replay
+    equals op by op. needs_logits tells the runner which steps sample again from the logits."""
+    model = small_model(torch.float32)
+    ids, md, kv = decode_step(model, [37, 4, 9], torch.float32)
+    programs = CpuDecodePrograms(model, kv, BLOCK, 512)
+    saved = [(k.clone(), v.clone()) for k, v in kv]
+    assert run_program(programs, requests_of(ids, md)) is not None  # captured
+    requests = requests_of(ids, md)
+    chunk = ScheduledRequest([5, 6], requests[1].num_computed_tokens - 1, requests[1].block_table,
+                             SamplingParams(temperature=0.0))
+    assert programs.run([requests[0], chunk, requests[2]]) is None
+    not_due = ScheduledRequest(requests[2].token_ids, requests[2].num_computed_tokens, requests[2].block_table, None)
+    assert programs.run([requests[0], requests[1], not_due]) is None
+    assert programs.replays == 0
+    for (k, v), (k0, v0) in zip(kv, saved):
+        k.copy_(k0)
+        v.copy_(v0)
+    expected = op_by_op(model, ids, md, [(k.clone(), v.clone()) for k, v in kv])
+    logits, _ = run_program(programs, requests_of(ids, md))
+    assert programs.replays == 1 and torch.equal(logits, expected)
+    logprobs = [ScheduledRequest(r.token_ids, r.num_computed_tokens, r.block_table, p)
+                for r, p in zip(requests, [SamplingParams(temperature=0.0), SamplingParams(logprobs=2),
+                                           SamplingParams(repetition_penalty=1.2)])]
+    for k, step in enumerate((requests, logprobs, logprobs[:1] + requests[1:], requests[:2] + logprobs[2:])):
+        for (kc, vc), (k0, v0) in zip(kv, saved):
+            kc.copy_(k0)
+            vc.copy_(v0)
+        assert programs.run(step).needs_logits is (k in (1, 3)), k
+
+
+def test_logits_the_sampler_cannot_draw_from_fail_the_replay_and_the_next_step_recovers(threads):
+    """The sampler node finds a NaN logit only once the LM head has written it: the replay then
+    fails with the op's own message, and a good step after it replays as before."""
+    model = small_model(torch.float32)
+    ids, md, kv = decode_step(model, [37, 4, 9], torch.float32)
+    programs = CpuDecodePrograms(model, kv, BLOCK, 512)
+    programs.run(requests_of(ids, md, sampling_of(3)))  # captured
+    good = run_program(programs, requests_of(ids, md, sampling_of(3)))
+    with torch.no_grad():
+        saved = model.lm_head.weight[5].clone()
+        model.lm_head.weight[5] = float("nan")
+        with pytest.raises(RuntimeError, match=r"logits\[0, 5\] is nan: logits must be finite or -inf"):
+            programs.run(requests_of(ids, md, sampling_of(3)))
+        model.lm_head.weight[5] = saved
+    again = run_program(programs, requests_of(ids, md, sampling_of(3)))
+    assert programs.replays == 3
+    assert all(torch.equal(a, b) for a, b in zip(again, good))
 
 
 def test_an_out_of_range_token_id_is_refused_by_the_embedding():
@@ -405,16 +496,18 @@ def test_an_out_of_range_token_id_is_refused_by_the_embedding():
 
 
 def test_the_engine_gives_the_same_tokens_and_logprobs_with_and_without_programs():
-    """Requests of different lengths joining and leaving (batch classes 1 to 5, padded ones),
-    greedy and seeded sampling: the engine's decode steps replay programs, and every token and
-    logprob equals what enforce_eager (every step op by op) gives."""
-    from kvflow import LLM, SamplingParams
+    """Requests of different lengths joining and leaving (batch classes 1 to 6, padded ones),
+    greedy and seeded sampling, penalties: the engine's decode steps replay programs, and every
+    token and logprob equals what enforce_eager (every step op by op) gives."""
+    from kvflow import LLM
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "Once upon a time",
-               "The quick brown fox"]
+               "The quick brown fox", "A list of fruits:"]
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, logprobs=3, ignore_eos=True) for i in range(3)] + [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=10, logprobs=2, ignore_eos=True)
-        for i in range(2)]
+        for i in range(2)] + [  # penalties: sampled again from the program's logits
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, max_tokens=12, logprobs=1,
+                       ignore_eos=True)]
     results = {}
     for eager in (True, False):
         llm = LLM(enforce_eager=eager, kv_cache_memory=1 << 26, max_model_len=256)

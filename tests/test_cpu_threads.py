@@ -36,10 +36,12 @@ def test_governor_steps_on_one_thread_while_barriers_wait_and_comes_back(monkeyp
 
     def step(wait_share: float, steps: int = CpuThreadGovernor.WINDOW_STEPS) -> int:
         """One engine step, standing for `steps` region steps; the threads it ran with."""
-        with governor.step():
-            inside = torch.get_num_threads()
-            if inside > 1:
-                region.run(steps, wait_share)
+        one_thread = governor.begin_step()
+        inside = torch.get_num_threads()
+        assert one_thread == (inside == 1)
+        if inside > 1:
+            region.run(steps, wait_share)
+        governor.end_step(one_thread)
         assert torch.get_num_threads() == 2, "outside a step torch keeps all its threads"
         return inside
 

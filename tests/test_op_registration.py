@@ -41,10 +41,11 @@ def op_cases():
         ),
         "sample": (
             torch.ops.kvflow.sample,
-            (torch.randn(4, 300), torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 10, 0, 1], dtype=torch.int32),
+            (torch.empty(4, dtype=torch.int64), torch.randn(4, 300), torch.tensor([0.0, 1.0, 0.5, 1.0]), torch.tensor([0, 10, 0, 1], dtype=torch.int32),
              torch.tensor([1.0, 0.9, 0.5, 1.0]), torch.tensor([0.0, 0.0, 0.1, 0.0]), torch.arange(4),
              torch.zeros(4, dtype=torch.int64)),
         ),
+        "scale_logits": (torch.ops.kvflow.scale_logits, (torch.randn(3, 100) * 40, 2.0, 30.0)),
         "apply_sampling_filters": (
             torch.ops.kvflow.apply_sampling_filters,
             (torch.randn(2, 300), torch.tensor([0.7, 0.0]), torch.tensor([10, 0], dtype=torch.int32),

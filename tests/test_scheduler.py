@@ -519,3 +519,12 @@ def test_random_arrivals_and_aborts_keep_every_invariant(seed, prefix_caching):
     assert sim.pool.num_used_blocks == 0
     if not prefix_caching:
         assert sim.pool.stats()["queries"] == 0
+
+
+def test_a_sequences_token_range_equals_the_slice_of_prompt_then_output():
+    seq = Sequence("r", [10, 11, 12, 13], SamplingParams(), seed=0)
+    seq.output_token_ids.extend([20, 21, 22])
+    every = [10, 11, 12, 13, 20, 21, 22]
+    for start in range(len(every) + 1):
+        for count in range(len(every) - start + 2):
+            assert seq.tokens(start, count) == every[start:start + count], (start, count)

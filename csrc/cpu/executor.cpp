@@ -46,6 +46,8 @@ const std::unordered_map<std::string, NodeFactory>& node_factories() {
       {"small_linear", &make_small_linear_node},
       {"packed_linear", &make_packed_linear_node},
       {"packed_silu_and_mul", &make_packed_linear_node},
+      {"scale_logits", &make_scale_logits_node},
+      {"sample", &make_sample_node},
   };
   return factories;
 }
@@ -146,11 +148,13 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
     }
     region_wall_ns.fetch_add(now_ns() - region_start, std::memory_order_relaxed);
     region_steps.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
+  } else
 #endif
-  int64_t unused = 0;
-  walk(0, 1, nullptr, unused);
+  {
+    int64_t unused = 0;
+    walk(0, 1, nullptr, unused);
+  }
+  for (OpNode* node : step_nodes_) node->finish();
 }
 
 RegionStats executor_region_stats() {

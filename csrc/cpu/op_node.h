@@ -91,6 +91,9 @@ class OpNode {
   }
   // One thread's share of a phase, inside the region: must not throw.
   virtual void run(int phase, const Turn& turn) = 0;
+  // After the region, every replay (nodes that read the step only): throws for an error found
+  // while running (run itself must not throw), such as logits a sampler cannot draw from.
+  virtual void finish() {}
   // What thread tid reads first in a phase (asked for while it waits at the barrier before), or null.
   virtual const char* first_read(int phase, int64_t tid) const {
     (void)phase;
@@ -144,5 +147,7 @@ std::unique_ptr<OpNode> make_reshape_and_cache_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_paged_attention_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_small_linear_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_packed_linear_node(const NodeArgs& args);  // packed_linear, packed_silu_and_mul
+std::unique_ptr<OpNode> make_scale_logits_node(const NodeArgs& args);
+std::unique_ptr<OpNode> make_sample_node(const NodeArgs& args);
 
 }  // namespace kvflow::cpu

@@ -1,5 +1,6 @@
 // Sampling on the CPU: every row's parameters and logits checked, then per row the kept set of
-// tokens and one Philox draw over them (kvflow/cpu/sampling_select.h). Rows run in parallel.
+// tokens and one Philox draw over them (kvflow/cpu/sampling_select.h). Rows run in parallel;
+// sample is also a node of the CPU executor's programs.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -12,6 +13,7 @@
 #include "kvflow/cpu/sampling_select.h"
 #include "kvflow/philox.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
@@ -23,6 +25,12 @@ void check_params(const RowParams& r, int64_t row) {
   TORCH_CHECK(r.top_k >= 0, "top_k[", row, "] = ", r.top_k, " must be >= 0 (0 = all tokens)");
   TORCH_CHECK(r.top_p > 0.f && r.top_p <= 1.f, "top_p[", row, "] = ", r.top_p, " must be in (0, 1]");
   TORCH_CHECK(r.min_p >= 0.f && r.min_p <= 1.f, "min_p[", row, "] = ", r.min_p, " must be in [0, 1]");
+}
+
+RowParams row_params(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                     const at::Tensor& min_p, int64_t b) {
+  return {temperature.data_ptr<float>()[b], top_k.data_ptr<int32_t>()[b], top_p.data_ptr<float>()[b],
+          min_p.data_ptr<float>()[b]};
 }
 
 // The row's max logit, after checking there is no NaN or +inf (-inf marks a masked token).
@@ -53,8 +61,7 @@ CheckedRows check_rows(const KernelTable& kt, DType dtype, const char* base, int
                        const at::Tensor& top_p, const at::Tensor& min_p) {
   CheckedRows rows{std::vector<RowParams>(batch), std::vector<float>(batch)};
   for (int64_t b = 0; b < batch; ++b) {
-    rows.params[b] = {temperature.data_ptr<float>()[b], top_k.data_ptr<int32_t>()[b], top_p.data_ptr<float>()[b],
-                      min_p.data_ptr<float>()[b]};
+    rows.params[b] = row_params(temperature, top_k, top_p, min_p, b);
     check_params(rows.params[b], b);
   }
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
@@ -63,29 +70,111 @@ CheckedRows check_rows(const KernelTable& kt, DType dtype, const char* base, int
   return rows;
 }
 
-}  // namespace
+// The row's token: its kept set, then one draw (a greedy row keeps only its argmax).
+int64_t sample_row(const KernelTable& kt, DType dtype, const void* row, int64_t vocab, const RowParams& params,
+                   float max, int64_t seed, int64_t offset, Scratch& scratch) {
+  kept_tokens(kt, dtype, row, vocab, params, max, scratch);
+  return draw(scratch.kept, uint64_t(seed), uint64_t(offset));
+}
 
-at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
-                  const at::Tensor& offsets) {
-  check_device_type(logits, "logits", c10::DeviceType::CPU);
-  const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
+void check_sample_args(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& seeds,
+                       const at::Tensor& offsets) {
   check_row_param(seeds, "seeds", at::kLong, logits);
   check_row_param(offsets, "offsets", at::kLong, logits);
+  check_row_param(out, "out", at::kLong, logits);
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+}
+
+// sample as a node of a captured program: the parameters are read and checked before the region,
+// and each row's logits (written by the nodes before it) checked as it is sampled. A row with a
+// NaN or +inf logit, or none finite, leaves its token at -1 and fails the replay after the region,
+// with the op's message.
+class SampleNode final : public OpNode {
+ public:
+  explicit SampleNode(const NodeArgs& args)
+      : out_(args.tensor(0)), logits_(args.tensor(1)), temperature_(args.tensor(2)), top_k_(args.tensor(3)),
+        top_p_(args.tensor(4)), min_p_(args.tensor(5)), seeds_(args.tensor(6)), offsets_(args.tensor(7)) {
+    check_device_type(logits_, "logits", c10::DeviceType::CPU);
+    geometry_ = check_sampling_args(logits_, temperature_, top_k_, top_p_, min_p_);
+    check_sample_args(out_, logits_, seeds_, offsets_);
+    params_.resize(geometry_.batch);
+    bad_row_.resize(geometry_.batch);
+  }
+
+  void configure(int64_t threads) override {
+    kernels_ = &active_kernels();
+    scratch_.assign(threads, Scratch{});
+  }
+
+  bool reads_step() const override { return true; }
+
+  void prepare(StepContext&) override {
+    for (int64_t b = 0; b < geometry_.batch; ++b) {
+      params_[b] = row_params(temperature_, top_k_, top_p_, min_p_, b);
+      check_params(params_[b], b);
+    }
+  }
+
+  int64_t units(int) const override { return geometry_.batch; }
+
+  void run(int, const Turn& turn) override {
+    const KernelTable& kt = *kernels_;
+    const char* base = static_cast<const char*>(logits_.data_ptr());
+    const int64_t row_bytes = logits_.stride(0) * logits_.element_size();
+    int64_t* out = out_.data_ptr<int64_t>();
+    const Range rows = share_of(geometry_.batch, 1, turn.team, turn.tid);
+    for (int64_t b = rows.begin; b < rows.end; ++b) {
+      const char* row = base + b * row_bytes;
+      bool non_finite = false;
+      const float max = kt.row_max[int(geometry_.dtype)](row, geometry_.vocab, &non_finite);
+      bad_row_[b] = non_finite || max == -std::numeric_limits<float>::infinity();
+      out[b] = bad_row_[b] ? -1
+                           : sample_row(kt, geometry_.dtype, row, geometry_.vocab, params_[b], max,
+                                        seeds_.data_ptr<int64_t>()[b], offsets_.data_ptr<int64_t>()[b],
+                                        scratch_[turn.tid]);
+    }
+  }
+
+  void finish() override {
+    const char* base = static_cast<const char*>(logits_.data_ptr());
+    for (int64_t b = 0; b < geometry_.batch; ++b) {
+      if (bad_row_[b]) {
+        checked_max(*kernels_, geometry_.dtype, base + b * logits_.stride(0) * logits_.element_size(),
+                    geometry_.vocab, b);
+      }
+    }
+  }
+
+ private:
+  at::Tensor out_, logits_, temperature_, top_k_, top_p_, min_p_, seeds_, offsets_;
+  SamplingGeometry geometry_{};
+  const KernelTable* kernels_ = nullptr;
+  std::vector<RowParams> params_;
+  std::vector<uint8_t> bad_row_;
+  std::vector<Scratch> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_sample_node(const NodeArgs& args) { return std::make_unique<SampleNode>(args); }
+
+void sample(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+            const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets) {
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
+  const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
+  check_sample_args(out, logits, seeds, offsets);
   const KernelTable& kt = active_kernels();
   const char* base = static_cast<const char*>(logits.data_ptr());
   const int64_t row_bytes = logits.stride(0) * logits.element_size();
   const CheckedRows rows = check_rows(kt, g.dtype, base, row_bytes, g.batch, g.vocab, temperature, top_k, top_p, min_p);
-  at::Tensor tokens = at::empty({g.batch}, logits.options().dtype(at::kLong));
-  int64_t* out = tokens.data_ptr<int64_t>();
+  int64_t* tokens = out.data_ptr<int64_t>();
   at::parallel_for(0, g.batch, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t b = begin; b < end; ++b) {
-      kept_tokens(kt, g.dtype, base + b * row_bytes, g.vocab, rows.params[b], rows.max[b], scratch);
-      out[b] = draw(scratch.kept, uint64_t(seeds.data_ptr<int64_t>()[b]), uint64_t(offsets.data_ptr<int64_t>()[b]));
+      tokens[b] = sample_row(kt, g.dtype, base + b * row_bytes, g.vocab, rows.params[b], rows.max[b],
+                             seeds.data_ptr<int64_t>()[b], offsets.data_ptr<int64_t>()[b], scratch);
     }
   });
-  return tokens;
 }
 
 void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,

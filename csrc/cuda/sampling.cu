@@ -13,25 +13,24 @@
 
 namespace kvflow::cuda {
 
-at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
-                  const at::Tensor& offsets) {
+void sample(at::Tensor& out, const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+            const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets) {
   check_device_type(logits, "logits", c10::DeviceType::CUDA);
   const SamplingGeometry g = check_sampling_args(logits, temperature, top_k, top_p, min_p);
   check_row_param(seeds, "seeds", at::kLong, logits);
   check_row_param(offsets, "offsets", at::kLong, logits);
+  check_row_param(out, "out", at::kLong, logits);
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor tokens = at::empty({g.batch}, logits.options().dtype(at::kLong));
   const cudaError_t err = cuda_kernels::dispatch_dtype(g.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return cuda_kernels::sample(tokens.data_ptr<int64_t>(), static_cast<const T*>(logits.data_ptr()),
+    return cuda_kernels::sample(out.data_ptr<int64_t>(), static_cast<const T*>(logits.data_ptr()),
                                 logits.stride(0), g.batch, g.vocab, temperature.data_ptr<float>(),
                                 top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>(),
                                 seeds.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), stream);
   });
   TORCH_CHECK(err == cudaSuccess, "sample: CUDA kernel launch failed: ", cudaGetErrorString(err));
-  return tokens;
 }
 
 void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,

@@ -13,9 +13,11 @@ lengths) that each step fills. The intermediates of the captured run are laid ou
 arena, a buffer reusing the bytes of one no longer read, but only past a node that a barrier
 always precedes, so that no thread of the region can still be reading them.
 
-A program covers the model's forward and its LM head (`model.lm_head`); the model's
-`adjust_logits` (a family's soft cap or scaling of the logits, plain torch) runs after each
-replay.
+A program covers the whole decode step: the model's forward, its logits (`compute_logits`: the LM
+head and a family's scaling or soft cap) and the sampler, which reads each row's sampling
+parameters, seed and output offset from static buffers too. It returns the logits and the
+tokens; a step with penalties applies them to those logits and samples again outside the
+program.
 
 Classes: batch sizes 1 to 8 each, then multiples of 8; a step of n requests fills the first n
 rows, and the padding rows write no cache slot (-1) and attend over one cached token. A program
@@ -24,11 +26,14 @@ needs new programs."""
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvflow import _C
-from kvflow.attention_metadata import AttentionMetadata, HostMetadata
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.sampling_params import SamplingParams
+from kvflow.ops.sampling import sample
 
 aten = torch.ops.aten
 
@@ -111,20 +116,29 @@ class _StepRecorder(TorchDispatchMode):
 @dataclass
 class CapturedStep:
     program: "_C.CpuProgram"
-    output: torch.Tensor  # the captured function's result, in the arena
+    outputs: tuple[torch.Tensor, ...]  # the captured function's results, in the arena
     arena: torch.Tensor
 
 
-def capture(fn) -> tuple[torch.Tensor, CapturedStep | None, str | None]:
-    """Runs fn() (which returns one tensor) op by op while recording it. Returns its result, and
-    the program that replays it (None where it cannot be captured, with the reason)."""
+@dataclass
+class DecodeStepResult:
+    logits: torch.Tensor    # float32 [n, vocab_size], a view of the program's arena until its next run
+    token_ids: list[int]    # sampled from those logits
+    needs_logits: bool      # some request asks for log-probabilities or penalties
+
+
+def capture(fn) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], CapturedStep | None, str | None]:
+    """Runs fn() (which returns a tensor or a tuple of them) op by op while recording it. Returns
+    its result, and the program that replays it (None where it cannot be captured, with the
+    reason)."""
     recorder = _StepRecorder()
     with recorder:
         result = fn()
     if recorder.refusal is not None:
         return result, None, recorder.refusal
     try:
-        return result, _build(recorder.calls, recorder.allocations, result), None
+        outputs = result if isinstance(result, tuple) else (result,)
+        return result, _build(recorder.calls, recorder.allocations, outputs), None
     except (RuntimeError, ValueError) as error:
         return result, None, str(error)
 
@@ -133,7 +147,7 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _build(calls: list[_Call], allocations: list[torch.Tensor], output: torch.Tensor) -> CapturedStep:
+def _build(calls: list[_Call], allocations: list[torch.Tensor], outputs: tuple[torch.Tensor, ...]) -> CapturedStep:
     probe = _C.CpuProgram()  # checks every node's arguments, and says where barriers always are
     for call in calls:
         probe.add(call.op, call.tensors, call.ints, call.floats)
@@ -144,10 +158,11 @@ def _build(calls: list[_Call], allocations: list[torch.Tensor], output: torch.Te
             if t is not None and _storage_key(t) in sizes:
                 first.setdefault(_storage_key(t), i)
                 last[_storage_key(t)] = i
-    if _storage_key(output) not in sizes:
-        raise ValueError("the captured step's output is not one of its own tensors")
-    last[_storage_key(output)] = len(calls)
-    first.setdefault(_storage_key(output), len(calls))
+    for output in outputs:
+        if _storage_key(output) not in sizes:
+            raise ValueError("the captured step's output is not one of its own tensors")
+        last[_storage_key(output)] = len(calls)
+        first.setdefault(_storage_key(output), len(calls))
     barrier_nodes = [i for i in range(len(calls)) if probe.starts_shared(i)]
 
     def reusable_from(key: int) -> float:
@@ -186,7 +201,7 @@ def _build(calls: list[_Call], allocations: list[torch.Tensor], output: torch.Te
     program = _C.CpuProgram()
     for call in calls:
         program.add(call.op, [placed(t) for t in call.tensors], call.ints, call.floats)
-    return CapturedStep(program, placed(output), arena)
+    return CapturedStep(program, tuple(placed(t) for t in outputs), arena)
 
 
 class CpuDecodePrograms:
@@ -195,19 +210,13 @@ class CpuDecodePrograms:
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, max_seq_len: int):
         self.model = model
         self.kv_caches = kv_caches
+        self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.max_blocks_per_seq = -(-max_seq_len // block_size)
         self.programs: dict[int, CapturedStep | None] = {}
         self.refusals: dict[int, str] = {}
         self.buffers: dict[int, _StaticInputs] = {}
-
-    def can_run(self, metadata: HostMetadata) -> bool:
-        """Decode only (one new token per request), contexts within the bound, and a class that
-        has a program or has not been tried."""
-        batch = metadata.batch
-        return (0 < batch and len(metadata.positions) == batch and metadata.max_query_len == 1
-                and metadata.max_seq_len <= self.max_seq_len and metadata.table_width <= self.max_blocks_per_seq
-                and self.programs.get(program_batch_size(batch), True) is not None)
+        self.token_views: dict[int, np.ndarray] = {}  # each program's tokens, read as a list each step
 
     def _static_inputs(self, rows: int) -> "_StaticInputs":
         if rows not in self.buffers:
@@ -218,32 +227,46 @@ class CpuDecodePrograms:
     def capture_idle(self, rows: int) -> bool:
         """Captures class `rows` from a step of padding rows only, which writes no cache slot
         (before any request arrives). Returns whether the class has a program."""
-        static = self._static_inputs(rows)
-        static.fill([], HostMetadata([], [], [], [0], [], 1, 1))
-        self._capture(rows, static)
+        self._capture(rows, self._static_inputs(rows))
         return self.programs[rows] is not None
 
-    def _capture(self, rows: int, static: "_StaticInputs") -> torch.Tensor:
-        model, kv_caches = self.model, self.kv_caches
-        logits, captured, refusal = capture(lambda: model.lm_head(model(static.token_ids, static.metadata, kv_caches)))
+    def _capture(self, rows: int, static: "_StaticInputs") -> tuple[torch.Tensor, torch.Tensor]:
+        model, kv_caches, s = self.model, self.kv_caches, static
+
+        def step():
+            logits = model.compute_logits(model(s.token_ids, s.metadata, kv_caches))
+            return logits, sample(logits, s.temperature, s.top_k, s.top_p, s.min_p, s.seeds, s.offsets)
+
+        outputs, captured, refusal = capture(step)
         self.programs[rows] = captured
         if captured is None:
             self.refusals[rows] = refusal
-        return logits
+        else:
+            self.token_views[rows] = captured.outputs[1].numpy()
+        return outputs
 
-    def run(self, token_ids: list[int], metadata: HostMetadata) -> torch.Tensor:
-        """A decode step's token ids and metadata (checked by can_run) -> float32 logits
-        [n, vocab_size]: a view of the program's output, valid until its next run."""
-        n = len(token_ids)
+    def run(self, requests: list) -> "DecodeStepResult | None":
+        """A decode step of the runner's ScheduledRequests, or None where it is not one that a
+        program runs (a request with more than one new token or none due, or a class that cannot
+        be captured) and nothing was run. ValueError for a request the step cannot hold."""
+        n = len(requests)
         rows = program_batch_size(n)
+        if n == 0 or self.programs.get(rows, True) is None:
+            return None
         static = self._static_inputs(rows)
-        static.fill(token_ids, metadata)
+        max_seq_len = static.fill(requests, self.block_size, self.max_seq_len)
+        if max_seq_len is None:
+            return None
         captured = self.programs.get(rows)
-        with torch.inference_mode():
-            if captured is None:
-                return self.model.adjust_logits(self._capture(rows, static)[:n])
-            captured.program.run(1, metadata.max_seq_len)
-            return self.model.adjust_logits(captured.output if n == rows else captured.output[:n])
+        if captured is None:
+            with torch.inference_mode():
+                logits, tokens = self._capture(rows, static)
+            token_ids = tokens[:n].tolist()
+        else:
+            captured.program.run(1, max_seq_len)
+            logits = captured.outputs[0]
+            token_ids = self.token_views[rows][:n].tolist()
+        return DecodeStepResult(logits if n == rows else logits[:n], token_ids, static.needs_logits)
 
     @property
     def replays(self) -> int:
@@ -253,7 +276,7 @@ class CpuDecodePrograms:
 class _StaticInputs:
     """A class's input buffers, which its program reads: a step writes its first n rows through
     numpy views of them (no tensor is built per step); the padding rows after them write no cache
-    slot (-1) and attend over one cached token."""
+    slot (-1), attend over one cached token and sample greedily."""
 
     def __init__(self, rows: int, max_blocks_per_seq: int, max_seq_len: int):
         self.rows = rows
@@ -266,19 +289,76 @@ class _StaticInputs:
             seq_lens=torch.ones(rows, dtype=torch.int32),
             max_query_len=1, max_seq_len=max_seq_len)
         m = self.metadata
-        self._ids, self._positions, self._slots = self.token_ids.numpy(), m.positions.numpy(), m.slot_mapping.numpy()
-        self._tables, self._seq_lens = m.block_tables.numpy(), m.seq_lens.numpy()
+        self.temperature = torch.zeros(rows, dtype=torch.float32)
+        self.top_k = torch.zeros(rows, dtype=torch.int32)
+        self.top_p = torch.ones(rows, dtype=torch.float32)
+        self.min_p = torch.zeros(rows, dtype=torch.float32)
+        self.seeds = torch.zeros(rows, dtype=torch.int64)
+        self.offsets = torch.zeros(rows, dtype=torch.int64)
+        self._columns = {name: t.numpy() for name, t in (
+            ("ids", self.token_ids), ("positions", m.positions), ("slots", m.slot_mapping), ("tables", m.block_tables),
+            ("seq_lens", m.seq_lens), ("temperature", self.temperature), ("top_k", self.top_k),
+            ("top_p", self.top_p), ("min_p", self.min_p), ("seeds", self.seeds), ("offsets", self.offsets))}
+        self._filled = 0            # rows written by the last step (the rest hold padding)
+        self._sampling_of: list = []  # (SamplingParams, seed, needs logits) of each of those rows
+        self.needs_logits = False     # of the last step filled
 
-    def fill(self, token_ids: list[int], metadata: HostMetadata) -> None:
-        n = len(token_ids)
-        self._ids[:n] = token_ids
-        self._positions[:n] = metadata.positions
-        self._slots[:n] = metadata.slot_mapping
-        self._seq_lens[:n] = metadata.seq_lens
-        if n:
-            self._tables[:n, :metadata.table_width] = metadata.block_tables
-        if n < self.rows:
-            self._ids[n:] = 0
-            self._positions[n:] = 0
-            self._slots[n:] = -1
-            self._seq_lens[n:] = 1
+    def fill(self, requests: list, block_size: int, max_seq_len: int) -> int | None:
+        """Writes the step's rows (padding after them) and returns its longest context, or None
+        where a request is not a decode row (one new token, one due). Each row's sampling
+        parameters and seed are written only when another request, or another seed, holds the
+        row than last step; needs_logits then says whether some row asks for log-probabilities or
+        penalties. The program's nodes check every index again before any of them writes."""
+        c = self._columns
+        ids, positions, slots, tables, seq_lens, offsets = (c["ids"], c["positions"], c["slots"], c["tables"],
+                                                            c["seq_lens"], c["offsets"])
+        longest = 1
+        sampling_of = self._sampling_of
+        needs_logits = False
+        try:
+            for i, r in enumerate(requests):
+                position, table, new_tokens = r.num_computed_tokens, r.block_table, r.token_ids
+                if len(new_tokens) != 1 or r.sampling is None:
+                    self._filled = self.rows
+                    return None
+                blocks = position // block_size + 1
+                if position >= max_seq_len:
+                    raise ValueError(f"a request of {position + 1} tokens exceeds the model's context of "
+                                     f"{max_seq_len}")
+                if blocks > len(table):
+                    raise ValueError(f"request {i}: seq_len {position + 1} needs {blocks} blocks, its block table "
+                                     f"has {len(table)}")
+                ids[i] = new_tokens[0]
+                positions[i] = position
+                slots[i] = table[blocks - 1] * block_size + position % block_size
+                seq_lens[i] = position + 1
+                tables[i, :blocks] = table if blocks == len(table) else table[:blocks]
+                offsets[i] = len(r.output_token_ids)
+                longest = max(longest, position + 1)
+                if i >= len(sampling_of) or sampling_of[i][0] is not r.sampling or sampling_of[i][1] != r.seed:
+                    self._write_sampling(i, r.sampling, r.seed)
+                needs_logits = needs_logits or sampling_of[i][2]
+        except BaseException:
+            self._filled = self.rows  # every row after the good ones padded again next step
+            raise
+        n = len(requests)
+        if n < self._filled or not self._filled:
+            self._pad(n)
+        self._filled = n
+        self.needs_logits = needs_logits
+        return longest
+
+    def _write_sampling(self, row: int, params: SamplingParams, seed: int) -> None:
+        c = self._columns
+        c["temperature"][row], c["top_k"][row] = params.temperature, params.top_k
+        c["top_p"][row], c["min_p"][row], c["seeds"][row] = params.top_p, params.min_p, seed
+        del self._sampling_of[row:]
+        # params held, so that no other request reuses its id
+        self._sampling_of.append((params, seed, params.logprobs is not None or params.has_penalties))
+
+    def _pad(self, n: int) -> None:
+        c = self._columns
+        for name, value in (("ids", 0), ("positions", 0), ("slots", -1), ("seq_lens", 1), ("temperature", 0.0),
+                            ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("seeds", 0), ("offsets", 0)):
+            c[name][n:] = value
+        del self._sampling_of[n:]

@@ -9,7 +9,6 @@ then tries all of them again. Measurements are in docs/benchmarks.md.
 """
 
 import time
-from contextlib import contextmanager
 
 import torch
 
@@ -30,23 +29,24 @@ class CpuThreadGovernor:
     def reduced(self) -> bool:
         return self.reduced_until is not None
 
-    @contextmanager
-    def step(self):
-        """Wraps one engine step, on the thread that runs the steps: one thread for it while
-        reduced (torch's thread count is restored after it, so nothing outside a step sees the
-        change), else all of them, and the region's waits judged afterwards."""
-        if self.reduced and time.monotonic() >= self.reduced_until:
+    def begin_step(self) -> bool:
+        """Before an engine step, on the thread that runs the steps. Returns whether the step runs
+        on one thread (while reduced); end_step takes that answer back."""
+        if self.reduced_until is not None and time.monotonic() >= self.reduced_until:
             self.reduced_until = None
             self._mark = _C.executor_region_stats()
-        if not self.reduced:
-            yield
-            self._judge()
-            return
+        if self.reduced_until is None:
+            return False
         torch.set_num_threads(1)
-        try:
-            yield
-        finally:
+        return True
+
+    def end_step(self, one_thread: bool) -> None:
+        """After the step, failed or not: torch's thread count restored (nothing outside a step
+        sees the change), or the region's waits judged."""
+        if one_thread:
             torch.set_num_threads(self.threads)
+        else:
+            self._judge()
 
     def _judge(self) -> None:
         if self.threads < 2:

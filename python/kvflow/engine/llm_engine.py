@@ -230,15 +230,13 @@ class LLMEngine:
                     self._prompt_tokens += len(seq.prompt_token_ids)
                     self._cached_prompt_tokens += seq.num_computed_tokens
             start = seq.num_computed_tokens
-            batch.append(ScheduledRequest(seq.token_ids[start:start + s.num_new_tokens], start, seq.block_table,
+            batch.append(ScheduledRequest(seq.tokens(start, s.num_new_tokens), start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids))
+        governor = self.cpu_threads
+        one_thread = governor is not None and governor.begin_step()
         try:
-            if self.cpu_threads is None:
-                sampled = self.runner.execute(batch, plan.copies)
-            else:
-                with self.cpu_threads.step():
-                    sampled = self.runner.execute(batch, plan.copies)
+            sampled = self.runner.execute(batch, plan.copies)
         except BaseException as error:
             # Every request's input was checked when it was added, so this is the engine's own
             # fault (a kernel error, or an interrupt). The step's keys and values are half
@@ -252,6 +250,9 @@ class LLMEngine:
                 self.abort_request(s.seq.request_id)
             self.allocator.reset_prefix_cache()
             raise
+        finally:
+            if governor is not None:
+                governor.end_step(one_thread)
         now = time.perf_counter()
         advanced = []
         for s, token in zip(plan.scheduled, sampled):

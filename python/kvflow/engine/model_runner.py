@@ -65,7 +65,6 @@ class ModelRunner:
                                               self.device)
         return self.decode_graphs.sizes
 
-    @torch.inference_mode()
     def execute(self, requests: list[ScheduledRequest],
                 block_copies: list[tuple[int, int]] | None = None) -> list[SampledToken | None]:
         """Runs one step, after copying each (source, destination) block of block_copies in every
@@ -76,6 +75,17 @@ class ModelRunner:
                         torch.tensor(block_copies, dtype=torch.int64, device=self.device))
         if not requests:
             return []
+        step = None if self.cpu_programs is None else self.cpu_programs.run(requests)
+        if step is not None:
+            if not step.needs_logits:
+                return [SampledToken(t) for t in step.token_ids]
+            with torch.inference_mode():  # a program's outputs are inference tensors
+                return self._sample(step.logits, requests, step.token_ids)
+        with torch.inference_mode():
+            return self._execute_op_by_op(requests)
+
+    def _execute_op_by_op(self, requests: list[ScheduledRequest]) -> list[SampledToken | None]:
+        """A step the model runs op by op (or a CUDA graph replays)."""
         for r in requests:
             if not r.token_ids:
                 raise ValueError("a scheduled request must bring at least one new token")
@@ -87,46 +97,48 @@ class ModelRunner:
                                [r.block_table for r in requests], self.block_size, self.num_blocks)
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
         results: list[SampledToken | None] = [None] * len(requests)
-        programs = self.cpu_programs
-        if programs is not None and len(due) == len(requests) and programs.can_run(host):
-            logits = programs.run([r.token_ids[0] for r in requests], host)
+        # With CUDA graphs the metadata stays on the host until it is known whether it is copied
+        # into the graphs' static buffers or uploaded for an eager step.
+        metadata = host.to_tensors(self.device if graphs is None else "cpu")
+        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
+        if graphs is not None and graphs.can_run(metadata):
+            hidden = graphs.run(input_ids, metadata)
         else:
-            # With CUDA graphs the metadata stays on the host until it is known whether it is
-            # copied into the graphs' static buffers or uploaded for an eager step.
-            metadata = host.to_tensors(self.device if graphs is None else "cpu")
-            input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
-            if graphs is not None and graphs.can_run(metadata):
-                hidden = graphs.run(input_ids, metadata)
-            else:
-                hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
-            if not due:
-                return results
-            last_rows, end = [], 0
-            for r in requests:
-                end += len(r.token_ids)
-                last_rows.append(end - 1)
-            rows = [last_rows[i] for i in due]
-            if len(rows) == hidden.shape[0]:
-                sampled_hidden = hidden
-            else:
-                sampled_hidden = hidden[self._tensor(rows, torch.int64)]
-            logits = self.model.compute_logits(sampled_hidden)
+            hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
+        if not due:
+            return results
+        last_rows, end = [], 0
+        for r in requests:
+            end += len(r.token_ids)
+            last_rows.append(end - 1)
+        rows = [last_rows[i] for i in due]
+        sampled_hidden = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows, torch.int64)]
+        logits = self.model.compute_logits(sampled_hidden)
         for i, sampled in zip(due, self._sample(logits, [requests[i] for i in due])):
             results[i] = sampled
         return results
 
-    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[SampledToken]:
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                token_ids: list[int] | None = None) -> list[SampledToken]:
+        """Penalties, then the draw (again, where penalties changed the logits that a CPU program
+        drew token_ids from), then log-probabilities of the raw logits."""
         params = [r.sampling for r in requests]
-        raw_logits = logits.clone() if any(p.logprobs is not None for p in params) else logits
+        raw_logits = logits
         if any(p.has_penalties for p in params):
+            if any(p.logprobs is not None for p in params):
+                raw_logits = logits.clone()
             self._apply_penalties(logits, requests)
-        token_ids = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
-                           self._output_offsets(requests))
-        tokens = token_ids.tolist()
-        results = [SampledToken(t) for t in tokens]
-        if raw_logits is not logits:
+            token_ids = None
+        if token_ids is None:
+            tokens = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
+                            self._output_offsets(requests))
+            token_ids = tokens.tolist()
+        else:
+            tokens = self._tensor(token_ids, torch.int64)
+        results = [SampledToken(t) for t in token_ids]
+        if any(p.logprobs is not None for p in params):
             num_top = max(p.logprobs or 0 for p in params)
-            chosen, top_ids, top_values = compute_logprobs(raw_logits, token_ids, num_top)
+            chosen, top_ids, top_values = compute_logprobs(raw_logits, tokens, num_top)
             chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
             for i, p in enumerate(params):
                 if p.logprobs is not None:

@@ -51,6 +51,16 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, count: int) -> list[int]:
+        """token_ids[start:start + count], without joining the prompt and the output when the
+        range lies in one of them (a decode step's one token)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:start - prompt_len + count]
+        if start + count <= prompt_len:
+            return self.prompt_token_ids[start:start + count]
+        return self.token_ids[start:start + count]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -14,6 +14,7 @@ from kvflow.layers import (GateUpLinear, LMHead, Linear, MergedLinear, PagedAtte
                            VocabEmbedding)
 from kvflow.layers.linear import copy_checked
 from kvflow.models.config import ModelConfig
+from kvflow.ops.sampling import scale_logits
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -129,13 +130,9 @@ class LlamaForCausalLM(nn.Module):
 
     def adjust_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What a family does to the LM head's logits, in place (Granite divides them by
-        logits_scaling, Gemma 2 caps them). Plain torch: the CPU decode programs capture the LM
-        head and call this after each replay."""
-        if self.config.logits_scaling != 1.0:
-            logits.div_(self.config.logits_scaling)
-        cap = self.config.final_logit_soft_cap
-        if cap is not None:
-            logits.div_(cap).tanh_().mul_(cap)
+        logits_scaling, Gemma 2 caps them), as a kvflow op: the CPU programs capture it."""
+        if self.config.logits_scaling != 1.0 or self.config.final_logit_soft_cap is not None:
+            scale_logits(logits, self.config.logits_scaling, self.config.final_logit_soft_cap)
         return logits
 
     def prepack_linear_weights(self) -> int:

@@ -8,7 +8,7 @@ from kvflow.ops.embedding import embedding
 from kvflow.ops.linear import linear, pack_linear_weight, packed_linear, packed_silu_and_mul, small_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm, rms_norm_add
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
-from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample
+from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample, scale_logits
 
 
 def supported_cpu_isas() -> list[str]:
@@ -34,6 +34,7 @@ __all__ = [
     "apply_sampling_filters",
     "compute_logprobs",
     "sample",
+    "scale_logits",
     "compute_cos_sin_cache",
     "copy_blocks",
     "cpu_isa",

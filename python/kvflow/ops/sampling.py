@@ -24,7 +24,17 @@ def sample(
     drawn. The token therefore depends only on the row's logits, parameters, seed and offset: the
     same in any batch, at any row. -inf logits are masked tokens; NaN or +inf are errors (CPU).
     """
-    return torch.ops.kvflow.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    torch.ops.kvflow.sample(out, logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    return out
+
+
+def scale_logits(logits: torch.Tensor, divisor: float = 1.0, soft_cap: float | None = None) -> torch.Tensor:
+    """In place on float32 logits [batch, vocab]: logits / divisor (Granite's logits_scaling), then
+    soft_cap * tanh(logits / soft_cap) when soft_cap is given (Gemma 2's final soft cap). Returns
+    logits."""
+    torch.ops.kvflow.scale_logits(logits, divisor, soft_cap or 0.0)
+    return logits
 
 
 def apply_sampling_filters(
@@ -78,8 +88,13 @@ def compute_logprobs(
 
 
 @torch.library.register_fake("kvflow::sample")
-def _sample_fake(logits, temperature, top_k, top_p, min_p, seeds, offsets):
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+def _sample_fake(out, logits, temperature, top_k, top_p, min_p, seeds, offsets):
+    return None
+
+
+@torch.library.register_fake("kvflow::scale_logits")
+def _scale_logits_fake(logits, divisor=1.0, soft_cap=0.0):
+    return None
 
 
 @torch.library.register_fake("kvflow::apply_sampling_filters")

@@ -112,6 +112,10 @@ using ExpSumFn = double (*)(const void* x, int64_t n, float max, float inv_tempe
 // how many. out must have room for end - begin.
 using CollectGreaterFn = int64_t (*)(const void* x, int64_t begin, int64_t end, float threshold, int32_t* out);
 
+// x[i] = x[i] * inv_divisor, then soft_cap * tanh(x[i] / soft_cap) where soft_cap > 0, for i in [0, n):
+// float32 logits, in place.
+using ScaleLogitsFn = void (*)(float* x, int64_t n, float inv_divisor, float soft_cap);
+
 // out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for output features o in [begin, end):
 // the few-row matmul of decode, bound by reading the weights once. x, weight and bias are of the
 // table entry's dtype, out too unless out_is_float32 (an LM head's logits); float32 accumulation.
@@ -165,6 +169,7 @@ struct KernelTable {
   RowMaxFn row_max[kNumDTypes];
   ExpSumFn exp_sum[kNumDTypes];
   CollectGreaterFn collect_greater[kNumDTypes];
+  ScaleLogitsFn scale_logits;  // float32 logits only
   SmallLinearFn small_linear[kNumDTypes];
   PackedLinearFn packed_linear;  // bfloat16 weights only
 };

@@ -1,5 +1,5 @@
 // The CPU kernels' table for one instruction set. The kernels, one header per topic named like
-// their CUDA twins (norm.h, rope.h, activation.h, attention.h, sampling.h, small_linear.h,
+// their CUDA twins (norm.h, rope.h, activation.h, attention.h, sampling.h, logits.h, small_linear.h,
 // packed_linear.h), are written once over a vector type V (VecScalar, VecAvx2, VecAvx512) and an
 // element type T (float, float16, bfloat16). Every load widens to float32 and every store
 // rounds once, so all three instruction sets compute the same float32 math; only the order of
@@ -17,6 +17,7 @@
 #include "kvflow/cpu/activation.h"
 #include "kvflow/cpu/attention.h"
 #include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/logits.h"
 #include "kvflow/cpu/norm.h"
 #include "kvflow/cpu/packed_linear.h"
 #include "kvflow/cpu/rope.h"
@@ -79,6 +80,7 @@ KernelTable make_kernel_table(const char* isa) {
   fill_row_entries<V, float>(t, DType::kFloat32);
   fill_row_entries<V, float16>(t, DType::kFloat16);
   fill_row_entries<V, bfloat16>(t, DType::kBFloat16);
+  t.scale_logits = scale_logits<V>;
   t.packed_linear = packed_linear_panels<PackedLinearGeneric>;
   return t;
 }
