@@ -392,6 +392,30 @@ def test_detokenizer_keeps_the_word_start_space_after_a_prompt(any_tokenizer):
     assert streamed.startswith(" jumps")
 
 
+def test_detokenizer_flushes_an_unfinished_character(any_tokenizer):
+    """Generation that ends inside a character: the held bytes come out of flush, as decode() has them."""
+    ids = any_tokenizer.encode("ok 😀👍🏽 fine", add_special_tokens=False)
+    cut = next(k for k in range(len(ids), 0, -1) if any_tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    prompt = any_tokenizer.encode("say")
+    detokenizer = IncrementalDetokenizer(any_tokenizer, prompt_ids=prompt)
+    pieces = [detokenizer.step([token_id]) for token_id in ids[:cut]]
+    assert pieces[-1] == "" and not any("\ufffd" in piece for piece in pieces)
+    tail = detokenizer.flush()
+    assert tail.endswith("\ufffd")
+    prompt_text = any_tokenizer.decode(prompt)
+    assert "".join(pieces) + tail == any_tokenizer.decode(prompt + ids[:cut])[len(prompt_text):]
+    assert detokenizer.flush() == ""
+
+
+def test_detokenizer_steps_once_per_token_with_tokenizers_stream(bpe_tokenizer, monkeypatch):
+    """A tokenizers-backed vocabulary streams through its own incremental decoder: no window decodes."""
+    detokenizer = IncrementalDetokenizer(bpe_tokenizer, prompt_ids=bpe_tokenizer.encode("the"))
+    decodes = []
+    monkeypatch.setattr(bpe_tokenizer, "decode", lambda *a, **k: decodes.append(a))
+    text = "".join(detokenizer.step([token_id]) for token_id in bpe_tokenizer.encode(" lazy dog", add_special_tokens=False))
+    assert text == " lazy dog" and decodes == []
+
+
 def test_detokenizer_work_per_step_is_bounded(any_tokenizer):
     """Each step decodes a short window, not everything generated so far."""
     decoded_lengths = []

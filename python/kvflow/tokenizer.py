@@ -83,6 +83,12 @@ class _TokenizersBackend:
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def stream_decoder(self, context_ids: list[int], skip_special_tokens: bool):
+        """tokenizers' own incremental decoder, primed with context_ids: one call into Rust per
+        token instead of two decodes and the slicing around them."""
+        stream = decoders.DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self.tokenizer)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
 
@@ -129,6 +135,9 @@ class _SentencePieceBackend:
         if start < len(text):
             ids += self.processor.encode(text[start:])
         return ids
+
+    def stream_decoder(self, context_ids: list[int], skip_special_tokens: bool) -> None:
+        return None  # IncrementalDetokenizer decodes windows itself
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         parts, run = [], []
@@ -336,6 +345,11 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._backend.decode([int(token_id) for token_id in ids], skip_special_tokens)
 
+    def stream_decoder(self, context_ids: list[int], skip_special_tokens: bool = False):
+        """A function token_id -> the text it completes, or None while that text is held back,
+        continuing the text of context_ids; None where the backend has no incremental decoder."""
+        return self._backend.stream_decoder(context_ids, skip_special_tokens)
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(int(token_id))
 
@@ -378,7 +392,9 @@ class IncrementalDetokenizer:
     Each step decodes a short window: the tokens from `prefix_offset` on, where the tokens before
     `read_offset` were already returned; the window only grows while its text stays incomplete.
     Decoding from a token before the new ones keeps their context, such as the leading space of a
-    SentencePiece word-start piece, which a decode of the new tokens alone would drop.
+    SentencePiece word-start piece, which a decode of the new tokens alone would drop. Where the
+    tokenizer has an incremental decoder of its own (tokenizers' DecodeStream runs this same window
+    scheme in Rust), steps go to it, and its offsets are followed here only for `flush`.
     """
 
     # Prompt tokens decoded in front of the first generated ones, to give them their context.
@@ -390,27 +406,48 @@ class IncrementalDetokenizer:
         self._ids = [int(token_id) for token_id in prompt_ids or ()]
         self._read_offset = len(self._ids)
         self._prefix_offset = max(0, self._read_offset - self.PROMPT_CONTEXT_TOKENS)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self._stream_step = self._new_stream()
+        self._prefix_text = None if self._stream_step else self._decode(self._prefix_offset, self._read_offset)
         # Characters already returned from tokens past read_offset, while their text is incomplete.
         self._returned_unread_chars = 0
+
+    def _new_stream(self):
+        """The tokenizer's incremental decoder primed with the current prefix, or None."""
+        stream_decoder = getattr(self._tokenizer, "stream_decoder", None)
+        if stream_decoder is None:
+            return None
+        return stream_decoder(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
 
     def _unreturned_text(self) -> str:
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(self._prefix_offset, self._read_offset)
         window_text = self._decode(self._prefix_offset)
-        return window_text[len(self._prefix_text) + self._returned_unread_chars :]
+        return window_text[len(prefix_text) + self._returned_unread_chars :]
 
     def _advance(self):
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         self._returned_unread_chars = 0
+        if self._stream_step is None:
+            self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
 
     def step(self, new_token_ids) -> str:
         """Adds generated ids and returns the text they complete."""
         new_token_ids = [int(token_id) for token_id in new_token_ids]
         if not new_token_ids:
             return ""  # advancing here would drop the context the next token needs
+        if self._stream_step is not None:
+            text = ""
+            for token_id in new_token_ids:
+                self._ids.append(token_id)
+                piece = self._stream_step(token_id)
+                if piece is not None:
+                    text += piece
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return text
         self._ids.extend(new_token_ids)
         text = self._unreturned_text()
         if text.endswith(REPLACEMENT_CHAR):
@@ -423,8 +460,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back once generation has ended."""
+        if self._read_offset == len(self._ids):
+            return ""
         text = self._unreturned_text()
         self._advance()
+        if self._stream_step is not None:
+            self._stream_step = self._new_stream()
         return text
 
 

@@ -107,7 +107,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -116,7 +115,6 @@ class Scheduler:
                 break  # seq itself was preempted: it was the last running one
             self._register_full_blocks(seq, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSequence(seq, n))
-            scheduled_ids.add(id(seq))
             budget -= n
             i += 1
         # No admissions in a step that had to preempt: the pool is dry, and a preempted request
@@ -126,13 +124,14 @@ class Scheduler:
             if not seq.block_table and self.config.enable_prefix_caching:
                 self._attach_cached_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.allocator.can_allocate(self._missing_blocks(seq, n) + len(self._shared_blocks(seq, n))):
+            shared = self._shared_blocks(seq, n)
+            if not self.allocator.can_allocate(self._missing_blocks(seq, n) + len(shared)):
                 # Hand back the cached prefix too: a waiting request holds no blocks, so that the
                 # running ones can always finish.
                 self._release_blocks(seq)
                 seq.num_computed_tokens = 0
                 break
-            self._grow(seq, n, out)
+            self._grow(seq, n, out, shared)
             self._register_full_blocks(seq, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -144,7 +143,10 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of seq, preempting the latest admitted others if needed.
         False if seq had to be preempted itself."""
-        while not self.allocator.can_allocate(self._missing_blocks(seq, n) + len(self._shared_blocks(seq, n))):
+        while True:
+            shared = self._shared_blocks(seq, n)
+            if self.allocator.can_allocate(self._missing_blocks(seq, n) + len(shared)):
+                break
             victim = self.running[-1]
             dropped = set(victim.block_table)  # its copies this step, if any, are moot now
             out.copies = [(src, dst) for src, dst in out.copies if dst not in dropped]
@@ -153,7 +155,7 @@ class Scheduler:
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
             if victim is seq:
                 return False
-        self._grow(seq, n, out)
+        self._grow(seq, n, out, shared)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -210,12 +212,17 @@ class Scheduler:
     def _shared_blocks(self, seq: Sequence, n: int) -> list[int]:
         """Indices in seq's block table of the blocks the next n tokens write into that other
         sequences also hold (a parallel sample's prompt blocks): they are copied before writing."""
-        first = seq.num_computed_tokens // self.config.block_size
-        last = min((seq.num_computed_tokens + n - 1) // self.config.block_size, len(seq.block_table) - 1)
-        return [i for i in range(first, last + 1) if self.allocator.ref_count(seq.block_table[i]) > 1]
+        size, table = self.config.block_size, seq.block_table
+        first = seq.num_computed_tokens // size
+        last = min((seq.num_computed_tokens + n - 1) // size, len(table) - 1)
+        if first == last:  # a decode token: one block at most
+            return [first] if self.allocator.ref_count(table[first]) > 1 else []
+        return [i for i in range(first, last + 1) if self.allocator.ref_count(table[i]) > 1]
 
-    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        for i in self._shared_blocks(seq, n):
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput, shared: list[int]) -> None:
+        """Copies the shared blocks (from _shared_blocks) seq is about to write, and adds the
+        blocks its next n tokens need."""
+        for i in shared:
             copy = self.allocator.allocate(1)[0]
             out.copies.append((seq.block_table[i], copy))
             self.allocator.free(seq.block_table[i])
