@@ -8,6 +8,7 @@ still part ways with it at a near-tie: the linear layers take a fused few-row CP
 rows and torch's matmul above, and a recomputed or cached prefix comes from a different batch shape,
 so float32 summation order differs by a few ulps. same_outputs() allows that and nothing else."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -295,6 +296,24 @@ def test_seeded_sampling_independent_of_batch(llm, prompts):
 
 
 # ------------------------------------------------------------------------- abort
+
+
+def test_final_only_requests_return_one_output_when_finished(llm, prompts):
+    """A final_only request is silent while it runs (a cumulative one beside it reports every
+    step) and ends with the same output as the cumulative one."""
+    engine = llm.engine
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    engine.add_request("cumulative", prompts[4], base)
+    engine.add_request("final", prompts[4], dataclasses.replace(base, output_kind="final_only"))
+    seen = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["cumulative"]) == 12 and [o.finished for o in seen["final"]] == [True]
+    final, cumulative = seen["final"][0].outputs[0], seen["cumulative"][-1].outputs[0]
+    assert final.token_ids == cumulative.token_ids and len(final.token_ids) == 12
+    assert final.text == cumulative.text and final.logprobs == cumulative.logprobs
+    assert final.finish_reason == "length"
 
 
 def test_abort_mid_stream_frees_everything(llm, cached_llm, prompts):

@@ -78,6 +78,7 @@ def assert_idle(engine):
     ("stop_token_ids", [1.5]),
     ("stop_token_ids", [2**40]),
     ("frequency_penalty", 2.5),
+    ("output_kind", "delta"),
 ])
 def test_sampling_params_refuse_what_the_sampler_cannot_represent(field, value):
     with pytest.raises(SamplingParamsError, match=f"^{field}: ") as raised:

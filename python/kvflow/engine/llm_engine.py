@@ -278,7 +278,8 @@ class LLMEngine:
                 self._fork(request)
             self._advance(sample, now)
             touched[request.request_id] = request
-        outputs = [self._output(request) for request in touched.values()]
+        outputs = [self._output(request) for request in touched.values()
+                   if request.finished or request.samples[0].seq.params.output_kind == "cumulative"]
         for request in touched.values():
             for sample in request.samples:
                 sample.delta_text, sample.delta_token_ids = "", []

@@ -17,6 +17,10 @@ MIN_TEMPERATURE = 1e-5  # below it the logits over the temperature overflow floa
 # The penalty divides positive logits and multiplies negative ones: within these bounds a logit
 # stays finite in float32 however large the model makes it.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+# What LLMEngine.step returns for a request: "cumulative", an output every step it advances
+# (everything so far, and the step's delta), for streaming; "final_only", one output, once it has
+# finished, for offline generation (LLM.generate), which spares building the others.
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 class SamplingParamsError(ValueError):
@@ -91,6 +95,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None   # how many top log-probabilities to return per token (<= 20)
     skip_special_tokens: bool = True
+    output_kind: str = "cumulative"  # see OUTPUT_KINDS
 
     def __post_init__(self):
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -122,6 +127,8 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.output_kind not in OUTPUT_KINDS:
+            raise SamplingParamsError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

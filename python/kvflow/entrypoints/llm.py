@@ -1,6 +1,7 @@
 """The offline API: kvflow.LLM(...).generate(prompts, params) runs every prompt through the
 continuous-batching engine at once and returns the results in input order."""
 
+import dataclasses
 import itertools
 
 from kvflow.engine.config import EngineConfig
@@ -42,6 +43,8 @@ class LLM:
         try:
             for (text, token_ids), params in zip(checked, sampling_params):
                 request_id = f"offline-{next(self._ids)}"
+                # Only finished outputs are returned: the engine need not build the others.
+                params = dataclasses.replace(params, output_kind="final_only")
                 self.engine.add_request(request_id, token_ids, params, prompt_text=text)
                 ids.append(request_id)
         except BaseException:
