@@ -74,6 +74,9 @@ TORCH_LIBRARY(kvflow, m) {
   m.def("packed_linear(Tensor! out, Tensor input, Tensor packed_weight, Tensor? bias=None) -> ()");
   // out = silu(input @ gate^T) * (input @ up^T) from pack_linear_weight(weight, gate_up=True). CPU only.
   m.def("packed_silu_and_mul(Tensor! out, Tensor input, Tensor packed_gate_up) -> ()");
+  // out = input @ weight^T (+ bias), weight in GGUF blocks of GGML type ggml_type (Q4_0, Q4_1,
+  // Q8_0), uint8 [out_features, row bytes] as the file stores it. CPU only.
+  m.def("quantized_linear(Tensor! out, Tensor input, Tensor weight, int ggml_type, Tensor? bias=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -97,6 +100,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("pack_linear_weight", &kvflow::cpu::pack_linear_weight);
   m.impl("packed_linear", &kvflow::cpu::packed_linear);
   m.impl("packed_silu_and_mul", &kvflow::cpu::packed_silu_and_mul);
+  m.impl("quantized_linear", &kvflow::cpu::quantized_linear);
 }
 
 #ifdef KVFLOW_WITH_CUDA

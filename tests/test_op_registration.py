@@ -68,6 +68,9 @@ def op_cases():
                                 (torch.empty(3, 25, dtype=torch.bfloat16), torch.randn(3, 33, dtype=torch.bfloat16),
                                  torch.ops.kvflow.pack_linear_weight(torch.randn(50, 33, dtype=torch.bfloat16),
                                                                      True))),
+        "quantized_linear": (torch.ops.kvflow.quantized_linear,
+                             (torch.empty(3, 5), torch.randn(3, 64), torch.randint(0, 256, (5, 40), dtype=torch.uint8),
+                              3, torch.randn(5))),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

@@ -21,6 +21,7 @@
 
 #include "kvflow/cpu/kernels.h"
 #include "kvflow/cpu/packed_linear_widened.h"
+#include "kvflow/cpu/quantized_linear_avx2.h"
 #include "kvflow/cpu/small_linear_widened.h"
 #include "kvflow/cpu/vec_avx2.h"
 
@@ -32,6 +33,9 @@ KernelTable make_avx2_table() {
   // 6 rows x 16 features: 12 accumulators, 2 widened weights and a broadcast in 16 registers.
   table.packed_linear = PackedLinearWidened<VecAvx2, 6, 2>::run;
   table.small_linear[int(DType::kBFloat16)] = SmallLinearWidened<VecAvx2>::run;
+  table.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_0>>;
+  table.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_1>>;
+  table.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ8_0>>;
   return table;
 }
 

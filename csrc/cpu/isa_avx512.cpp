@@ -29,6 +29,10 @@ namespace {
 KernelTable make_avx512_table() {
   KernelTable table = make_kernel_table<VecAvx512>("avx512");
   table.packed_linear = avx2_kernels().packed_linear;  // no bf16 dot product: AVX2's widening kernel
+  // The GGUF block products: AVX2's integer kernels (no AVX-512 VNNI one yet).
+  for (int format = 0; format < kNumQuantFormats; ++format) {
+    table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
+  }
   return table;
 }
 

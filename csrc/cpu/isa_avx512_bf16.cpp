@@ -46,6 +46,10 @@ KernelTable make_avx512_bf16_table() {
   bf16_attention[attention_head_dim_index(256)] = paged_attention_avx512_bf16<256>;
   table.small_linear[int(DType::kBFloat16)] = small_linear_avx512_bf16;
   table.packed_linear = packed_linear_panels<PackedLinearAvx512Bf16>;
+  // The GGUF block products: AVX2's integer kernels (no AVX-512 VNNI one yet).
+  for (int format = 0; format < kNumQuantFormats; ++format) {
+    table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
+  }
   return table;
 }
 

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/numeric.h"
 
 namespace kvflow::cpu {
@@ -153,6 +154,15 @@ using PackedLinearFn = void (*)(void* out,  // [rows, out_features], row stride 
                                 int64_t rows, int64_t in_features, int64_t out_features, int64_t begin,
                                 int64_t end);
 
+// out[r, o] = input row r . weight row o (+ bias[o]) for output features o in [begin, end), the
+// weight in GGUF blocks of the entry's format (gguf_blocks.h), rows [out_features, row_bytes],
+// the input rows quantized per block (QuantizedRows). float32 accumulation; out float32, or
+// bfloat16 unless out_is_float32.
+using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features]
+                                   bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
+                                   int64_t row_bytes, const float* bias,  // [out_features] or null
+                                   int64_t rows, int64_t out_features, int64_t begin, int64_t end);
+
 struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
@@ -172,6 +182,7 @@ struct KernelTable {
   ScaleLogitsFn scale_logits;  // float32 logits only
   SmallLinearFn small_linear[kNumDTypes];
   PackedLinearFn packed_linear;  // bfloat16 weights only
+  QuantizedLinearFn quantized_linear[kNumQuantFormats];  // [QuantFormat]
 };
 
 // Index of a supported attention head_dim in KernelTable::paged_attention, or -1.

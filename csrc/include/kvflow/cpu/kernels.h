@@ -20,6 +20,7 @@
 #include "kvflow/cpu/logits.h"
 #include "kvflow/cpu/norm.h"
 #include "kvflow/cpu/packed_linear.h"
+#include "kvflow/cpu/quantized_linear.h"
 #include "kvflow/cpu/rope.h"
 #include "kvflow/cpu/sampling.h"
 #include "kvflow/cpu/small_linear.h"
@@ -82,6 +83,9 @@ KernelTable make_kernel_table(const char* isa) {
   fill_row_entries<V, bfloat16>(t, DType::kBFloat16);
   t.scale_logits = scale_logits<V>;
   t.packed_linear = packed_linear_panels<PackedLinearGeneric>;
+  t.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_0>>;
+  t.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_1>>;
+  t.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ8_0>>;
   return t;
 }
 

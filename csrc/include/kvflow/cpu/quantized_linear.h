@@ -1,0 +1,89 @@
+// quantized_linear on the CPU: out = input @ weight^T for a weight in GGUF blocks
+// (gguf_blocks.h), from input rows quantized to int8 per 32-block, as llama.cpp's CPU backend
+// multiplies them. Decode reads each weight byte once: a 4-bit format is a quarter of bfloat16's
+// bytes. The loop over output features and row tiles is written once; the block dot products
+// are plain C++ here, and intrinsics in quantized_linear_avx2.h. Included by kernels.h, inside
+// each instruction set's translation unit: everything sits in an unnamed namespace.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kvflow/cpu/gguf_blocks.h"
+#include "kvflow/cpu/kernel_table.h"
+#include "kvflow/numeric.h"
+
+namespace kvflow::cpu {
+namespace {
+
+// Dot::run<kRows>(w, x, r0, sums): sums[r] = weight row w . input row r0 + r, for r < kRows.
+template <class Dot>
+void quantized_linear_rows(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
+                           int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features, int64_t begin,
+                           int64_t end) {
+  constexpr int kRowTile = 4;
+  for (int64_t o = begin; o < end; ++o) {
+    const uint8_t* w = weight + o * row_bytes;
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      float sums[kRowTile];
+      const int n = int(std::min<int64_t>(kRowTile, rows - r0));
+      switch (n) {
+        case 1: Dot::template run<1>(w, x, r0, sums); break;
+        case 2: Dot::template run<2>(w, x, r0, sums); break;
+        case 3: Dot::template run<3>(w, x, r0, sums); break;
+        default: Dot::template run<4>(w, x, r0, sums); break;
+      }
+      for (int r = 0; r < n; ++r) {
+        const float y = bias == nullptr ? sums[r] : sums[r] + bias[o];
+        const int64_t index = (r0 + r) * out_features + o;
+        if (out_is_float32) {
+          static_cast<float*>(out)[index] = y;
+        } else {
+          static_cast<bfloat16*>(out)[index] = from_float<bfloat16>(y);
+        }
+      }
+    }
+  }
+}
+
+// One block's 32 weight codes as the int8 products use them: q - 8 for Q4_0, the nibble for
+// Q4_1 (its offset m is applied through the activations' block sum), the byte for Q8_0.
+template <QuantFormat F>
+inline void block_codes(const uint8_t* block, int32_t* codes) {
+  if constexpr (F == QuantFormat::kQ8_0) {
+    for (int j = 0; j < 32; ++j) codes[j] = int8_t(block[2 + j]);
+  } else {
+    const uint8_t* nibbles = block + (F == QuantFormat::kQ4_1 ? 4 : 2);
+    const int32_t offset = F == QuantFormat::kQ4_0 ? 8 : 0;
+    for (int j = 0; j < 16; ++j) {
+      codes[j] = int32_t(nibbles[j] & 0xF) - offset;
+      codes[j + 16] = int32_t(nibbles[j] >> 4) - offset;
+    }
+  }
+}
+
+template <QuantFormat F>
+struct QuantDotGeneric {
+  template <int kRows>
+  static void run(const uint8_t* w, const QuantizedRows& x, int64_t r0, float* sums) {
+    const int64_t bytes = quant_block_bytes(F);
+    float acc[kRows] = {};
+    int32_t codes[32];
+    for (int64_t b = 0; b < x.blocks; ++b, w += bytes) {
+      block_codes<F>(w, codes);
+      const float d = block_half(w);
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t i = (r0 + r) * x.blocks + b;
+        const int8_t* xq = x.q + i * kQuantBlock;
+        int32_t dot = 0;
+        for (int j = 0; j < 32; ++j) dot += codes[j] * int32_t(xq[j]);
+        acc[r] += d * x.scale[i] * float(dot);
+        if constexpr (F == QuantFormat::kQ4_1) acc[r] += block_half(w + 2) * x.sum[i];
+      }
+    }
+    for (int r = 0; r < kRows; ++r) sums[r] = acc[r];
+  }
+};
+
+}  // namespace
+}  // namespace kvflow::cpu

@@ -1,0 +1,86 @@
+// quantized_linear's block dot products in AVX2 integer ops: the block's codes and the input
+// block's int8 values multiply into 16-bit pair sums (vpmaddubsw, whose first operand is
+// unsigned: Q4_1's nibbles as they are, or the signed formats' |w| against x carrying w's sign)
+// and 32-bit sums (vpmaddwd), scaled into float accumulators once per block.
+// Include only inside a translation unit compiled for AVX2 + FMA + F16C, after kernels.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kvflow/cpu/gguf_blocks.h"
+
+namespace kvflow::cpu {
+namespace {
+
+template <QuantFormat F>
+struct QuantDotAvx2 {
+  static constexpr int64_t kBytes = F == QuantFormat::kQ4_0 ? 18 : F == QuantFormat::kQ4_1 ? 20 : 34;
+  // The stream of weight rows, asked for this far ahead (as small_linear streams its rows).
+  static constexpr int64_t kAheadBytes = 2048;
+
+  static float half_at(const uint8_t* p) {
+    uint16_t bits;
+    __builtin_memcpy(&bits, p, sizeof bits);
+    return _cvtsh_ss(bits);
+  }
+
+  static __m256i codes(const uint8_t* block) {
+    if constexpr (F == QuantFormat::kQ8_0) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    } else {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == QuantFormat::kQ4_1 ? 4 : 2)));
+      const __m128i mask = _mm_set1_epi8(0xF);
+      const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+      return F == QuantFormat::kQ4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+    }
+  }
+
+  // The block's eight 32-bit partial sums of codes * x, as float32.
+  static __m256 dot(__m256i w, __m256i xq) {
+    __m256i pairs;
+    if constexpr (F == QuantFormat::kQ4_1) {
+      pairs = _mm256_maddubs_epi16(w, xq);
+    } else {
+      pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+    }
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+
+  static float reduce(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+
+  template <int kRows>
+  static void run(const uint8_t* w, const QuantizedRows& x, int64_t r0, float* sums) {
+    // Two accumulators a row, even and odd blocks, so that one row is not bound by the FMA's latency.
+    __m256 acc[kRows][2];
+    float offsets[kRows] = {};
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, int chain) {
+      const uint8_t* wb = w + b * kBytes;
+      __builtin_prefetch(wb + kAheadBytes, 0, 2);
+      const __m256i q = codes(wb);
+      const float d = half_at(wb);
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t i = (r0 + r) * x.blocks + b;
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kQuantBlock));
+        acc[r][chain] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), dot(q, xq), acc[r][chain]);
+        if constexpr (F == QuantFormat::kQ4_1) offsets[r] += half_at(wb + 2) * x.sum[i];
+      }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= x.blocks; b += 2) {
+      block(b, 0);
+      block(b + 1, 1);
+    }
+    if (b < x.blocks) block(b, 0);
+    for (int r = 0; r < kRows; ++r) sums[r] = reduce(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r];
+  }
+};
+
+}  // namespace
+}  // namespace kvflow::cpu

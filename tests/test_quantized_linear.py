@@ -1,0 +1,132 @@
+"""quantized_linear (weights in GGUF Q4_0 / Q4_1 / Q8_0 blocks) against float64 products of the
+weights dequantized by the gguf package (llama.cpp's own Python reader), on every instruction set.
+
+The op quantizes each block of 32 input values to int8 with scale s = max|x| / 127, so each value
+moves by at most s / 2. The product of output o and row r may then differ from the exact one by at
+most sum over blocks b of (s_b / 2) * sum_i |W[o, 32b + i]|; the tests allow that bound, plus
+float32 accumulation (1e-5 of sum |x| |W|) and the rounding of a bfloat16 output."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from kvflow import ops
+from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+
+TYPES = {GGML_Q4_0: GGMLQuantizationType.Q4_0, GGML_Q4_1: GGMLQuantizationType.Q4_1,
+         GGML_Q8_0: GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(ggml_type: int, out_features: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [out_features, row bytes]: blocks with random scales (and Q4_1 offsets) and codes over
+    each format's whole range, Q8_0's -128 included."""
+    blocks = out_features * in_features // 32
+    scales = rng.uniform(0.002, 0.05, blocks).astype(np.float16) * rng.choice([-1, 1], blocks).astype(np.float16)
+    parts = [scales.view(np.uint8).reshape(blocks, 2)]
+    if ggml_type == GGML_Q4_1:
+        parts.append(rng.uniform(-0.4, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2))
+    if ggml_type == GGML_Q8_0:
+        parts.append(rng.integers(-128, 128, (blocks, 32)).astype(np.int8).view(np.uint8))
+    else:
+        codes = rng.integers(0, 16, (blocks, 32)).astype(np.uint8)
+        parts.append(codes[:, :16] | (codes[:, 16:] << 4))
+    return np.concatenate(parts, axis=1).reshape(out_features, -1)
+
+
+def dequantized(weight: np.ndarray, ggml_type: int) -> np.ndarray:
+    return quants.dequantize(weight, TYPES[ggml_type]).astype(np.float64)
+
+
+def quantized_input(x: np.ndarray) -> np.ndarray:
+    """x as the op sees it: each block of 32 quantized in float32 as the op does (scale
+    max|x| / 127, codes rounded to nearest even), back in float64."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    codes = np.clip(np.rint(blocks * inverse), -127, 127)
+    return (codes.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+def allowed_error(x: np.ndarray, w: np.ndarray, out_dtype: torch.dtype, expected: np.ndarray) -> np.ndarray:
+    """[rows, out_features]: the bound of the module docstring."""
+    rows, in_features = x.shape
+    half_steps = np.abs(x).reshape(rows, -1, 32).max(axis=2) / 127 / 2         # [rows, blocks]
+    weight_mass = np.abs(w).reshape(w.shape[0], -1, 32).sum(axis=2)            # [out, blocks]
+    bound = half_steps @ weight_mass.T
+    bound += 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
+    if out_dtype == torch.bfloat16:
+        bound += np.abs(expected) * 2.0**-8
+    return bound * 1.001
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("in_features,out_features", [(32, 1), (96, 7), (576, 130)])
+def test_quantized_linear_matches_dequantized_product(ggml_type, rows, in_features, out_features, cpu_isa):
+    rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
+    weight = random_blocks(ggml_type, out_features, in_features, rng)
+    x = rng.standard_normal((rows, in_features))
+    x[:, :32] *= 0.01  # blocks of very different magnitudes in one row
+    w = dequantized(weight, ggml_type)
+    expected = x @ w.T
+    actual = ops.quantized_linear(torch.from_numpy(x).float(), torch.from_numpy(weight), ggml_type).double().numpy()
+    error = np.abs(actual - expected)
+    bound = allowed_error(x, w, torch.float32, expected)
+    assert (error <= bound).all(), f"worst error / bound {np.max(error / bound):.3f}"
+    # On the input as quantized, the products are exact up to float32 accumulation: one weight
+    # code off would show. Q4_1's offsets m multiply the blocks' unquantized sums.
+    xq = quantized_input(x)
+    exact = xq @ w.T
+    if ggml_type == GGML_Q4_1:
+        m = weight.reshape(out_features, -1, 20)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        block_sums = x.astype(np.float32).reshape(rows, -1, 32).sum(axis=2).astype(np.float64)
+        exact += block_sums @ m.T - xq.reshape(rows, -1, 32).sum(axis=2) @ m.T
+    accumulation = 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6
+    assert (np.abs(actual - exact) <= accumulation).all(), f"worst {np.max(np.abs(actual - exact) / accumulation):.3f}"
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("input_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                   (torch.float32, torch.bfloat16)])
+def test_quantized_linear_dtypes_and_bias(ggml_type, input_dtype, out_dtype, cpu_isa):
+    rng = np.random.default_rng(ggml_type)
+    weight = random_blocks(ggml_type, 75, 192, rng)
+    x = torch.randn(4, 192, dtype=torch.float64).to(input_dtype)
+    bias = torch.randn(75, dtype=torch.float64).to(input_dtype)
+    x64, w = x.double().numpy(), dequantized(weight, ggml_type)
+    expected = x64 @ w.T + bias.double().numpy()
+    actual = ops.quantized_linear(x, torch.from_numpy(weight), ggml_type, bias=bias, out_dtype=out_dtype)
+    assert actual.dtype == out_dtype and actual.shape == (4, 75)
+    error = np.abs(actual.double().numpy() - expected)
+    assert (error <= allowed_error(x64, w, out_dtype, expected)).all()
+
+
+def test_quantized_linear_rows_do_not_interfere(cpu_isa):
+    """A row's output does not depend on the other rows of the call (each is quantized alone)."""
+    rng = np.random.default_rng(5)
+    weight = torch.from_numpy(random_blocks(GGML_Q4_1, 200, 256, rng))
+    x = torch.randn(7, 256)
+    together = ops.quantized_linear(x, weight, GGML_Q4_1)
+    for r in range(7):
+        torch.testing.assert_close(ops.quantized_linear(x[r:r + 1], weight, GGML_Q4_1), together[r:r + 1],
+                                   rtol=0, atol=0)
+
+
+def test_quantized_linear_rejects_bad_input():
+    weight = torch.zeros(4, 2 * BLOCK_BYTES[GGML_Q4_1], dtype=torch.uint8)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), Q4_1 \(3\) and Q8_0 \(8\), got type 12"):
+        ops.quantized_linear(x, weight, 12)
+    with pytest.raises(RuntimeError, match="weight must be uint8"):
+        ops.quantized_linear(x, weight.float(), GGML_Q4_1)
+    with pytest.raises(RuntimeError, match="whole 20-byte blocks, got 39 bytes a row"):
+        ops.quantized_linear(x, weight[:, :39].contiguous(), GGML_Q4_1)
+    with pytest.raises(RuntimeError, match=r"input must be \[rows, 64\]"):
+        ops.quantized_linear(torch.randn(2, 65), weight, GGML_Q4_1)
+    with pytest.raises(RuntimeError, match="input must be float32 or bfloat16"):
+        ops.quantized_linear(x.half(), weight, GGML_Q4_1)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[2, 4\]"):
+        ops.quantized_linear(x, weight, GGML_Q4_1, out=torch.empty(2, 5))
+    with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
+        ops.quantized_linear(x, weight, GGML_Q4_1, bias=torch.zeros(3))
