@@ -1,15 +1,18 @@
 """Shared fixtures: where the ops run (each CPU instruction set, and CUDA when present), the
-tolerances per dtype, and an ASGI app served on loopback for the HTTP tests."""
+tolerances per dtype, an ASGI app served on loopback for the HTTP tests, and random GGUF weight
+blocks."""
 
 import socket
 import threading
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
 import kvflow
+from kvflow.ops.quantized import GGML_Q4_1, GGML_Q8_0
 
 CPU_ISAS = kvflow.ops.supported_cpu_isas()
 TARGETS = [f"cpu:{isa}" for isa in CPU_ISAS] + (["cuda"] if torch.cuda.is_available() else [])
@@ -80,3 +83,19 @@ def running_server(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def random_blocks(ggml_type: int, out_features: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [out_features, row bytes]: blocks with random scales (and Q4_1 offsets) and codes over
+    each format's whole range, Q8_0's -128 included."""
+    blocks = out_features * in_features // 32
+    scales = rng.uniform(0.002, 0.05, blocks).astype(np.float16) * rng.choice([-1, 1], blocks).astype(np.float16)
+    parts = [scales.view(np.uint8).reshape(blocks, 2)]
+    if ggml_type == GGML_Q4_1:
+        parts.append(rng.uniform(-0.4, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2))
+    if ggml_type == GGML_Q8_0:
+        parts.append(rng.integers(-128, 128, (blocks, 32)).astype(np.int8).view(np.uint8))
+    else:
+        codes = rng.integers(0, 16, (blocks, 32)).astype(np.uint8)
+        parts.append(codes[:, :16] | (codes[:, 16:] << 4))
+    return np.concatenate(parts, axis=1).reshape(out_features, -1)

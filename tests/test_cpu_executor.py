@@ -9,11 +9,13 @@ executor too. A bad step is refused before any node writes."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import random_blocks
 from kvflow import ops
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch_size
@@ -28,6 +30,7 @@ from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
+from kvflow.ops.quantized import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
 
 BLOCK = 16
 VARIANTS = {
@@ -368,6 +371,29 @@ def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
     model = QKNormGeluModel(llama)
     ids, md, kv = decode_step(llama, [37, 3, 130], torch.bfloat16)
     assert_replay_equals_op_by_op(model, ids, md, kv)
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
+    """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a
+    program: bit for bit what the ops give one by one, at every thread count."""
+    rng = np.random.default_rng(ggml_type + rows)
+    first = torch.from_numpy(random_blocks(ggml_type, 96, 64, rng))
+    second = torch.from_numpy(random_blocks(ggml_type, 200, 96, rng))
+    bias = torch.randn(200)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+
+    def step():
+        hidden = ops.quantized_linear(x, first, ggml_type, out_dtype=torch.bfloat16)
+        return ops.quantized_linear(hidden, second, ggml_type, bias=bias, out_dtype=torch.float32)
+
+    expected, captured, reason = capture(step)
+    assert captured is not None, reason
+    x.copy_(torch.randn(rows, 64, dtype=torch.bfloat16))  # a new step's input, in the same buffer
+    captured.program.run(1, 1)
+    assert captured.program.replays == 1
+    assert torch.equal(captured.outputs[0], step())
 
 
 def test_a_step_that_computes_outside_kvflow_ops_is_not_captured():

@@ -11,27 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from conftest import random_blocks
 from kvflow import ops
 from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
 
 TYPES = {GGML_Q4_0: GGMLQuantizationType.Q4_0, GGML_Q4_1: GGMLQuantizationType.Q4_1,
          GGML_Q8_0: GGMLQuantizationType.Q8_0}
-
-
-def random_blocks(ggml_type: int, out_features: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [out_features, row bytes]: blocks with random scales (and Q4_1 offsets) and codes over
-    each format's whole range, Q8_0's -128 included."""
-    blocks = out_features * in_features // 32
-    scales = rng.uniform(0.002, 0.05, blocks).astype(np.float16) * rng.choice([-1, 1], blocks).astype(np.float16)
-    parts = [scales.view(np.uint8).reshape(blocks, 2)]
-    if ggml_type == GGML_Q4_1:
-        parts.append(rng.uniform(-0.4, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2))
-    if ggml_type == GGML_Q8_0:
-        parts.append(rng.integers(-128, 128, (blocks, 32)).astype(np.int8).view(np.uint8))
-    else:
-        codes = rng.integers(0, 16, (blocks, 32)).astype(np.uint8)
-        parts.append(codes[:, :16] | (codes[:, 16:] << 4))
-    return np.concatenate(parts, axis=1).reshape(out_features, -1)
 
 
 def dequantized(weight: np.ndarray, ggml_type: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 // quantized_linear on the CPU: the input rows are quantized to int8 per 32-block once, then each
 // thread takes a contiguous part of the output features and streams its weight rows, in their
-// GGUF blocks, front to back.
+// GGUF blocks, front to back. As a program node, the same two halves are two phases.
 #include <ATen/Parallel.h>
 
 #include <string>
@@ -8,7 +8,9 @@
 
 #include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
+#include "kvflow/cpu/product_cells.h"
 #include "op_checks.h"
+#include "op_node.h"
 #include "ops.h"
 
 namespace kvflow::cpu {
@@ -24,36 +26,14 @@ void check_float_or_bfloat16(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
-// The input's rows as float32, quantized block by block (quantize_activation_block).
-struct QuantizedInput {
-  std::vector<int8_t> q;
-  std::vector<float> scale, sum;
-
-  QuantizedInput(const at::Tensor& input, int64_t blocks) {
-    const int64_t rows = input.size(0), in_features = input.size(1);
-    q.resize(size_t(rows * in_features));
-    scale.resize(size_t(rows * blocks));
-    sum.resize(size_t(rows * blocks));
-    const at::Tensor x = input.to(at::kFloat).contiguous();
-    const float* values = x.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t i = r * blocks + b;
-          quantize_activation_block(values + i * kQuantBlock, q.data() + i * kQuantBlock, &scale[size_t(i)],
-                                    &sum[size_t(i)]);
-        }
-      }
-    });
-  }
-
-  QuantizedRows rows(int64_t blocks) const { return {q.data(), scale.data(), sum.data(), blocks}; }
+struct QuantizedLinearGeometry {
+  int format;
+  int64_t rows, blocks, row_bytes, out_features;
+  bool out_is_float32;
 };
 
-}  // namespace
-
-void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t ggml_type,
-                      const std::optional<at::Tensor>& bias) {
+QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                               int64_t ggml_type, const std::optional<at::Tensor>& bias) {
   const int format = quant_format_of(ggml_type);
   TORCH_CHECK(format >= 0, "quantized_linear runs GGML types Q4_0 (2), Q4_1 (3) and Q8_0 (8), got type ", ggml_type);
   check_device_type(weight, "weight", c10::DeviceType::CPU);
@@ -73,24 +53,123 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
   const int64_t rows = input.size(0);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
               "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
-  std::vector<float> bias_values;
   if (bias.has_value()) {
     check_float_or_bfloat16(*bias, "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
                 bias->sizes());
-    const at::Tensor b = bias->to(at::kFloat).contiguous();
-    bias_values.assign(b.data_ptr<float>(), b.data_ptr<float>() + out_features);
   }
-  if (rows == 0 || out_features == 0) return;
-  const QuantizedInput x(input, blocks);
-  const QuantizedRows quantized = x.rows(blocks);
-  const QuantizedLinearFn kernel = active_kernels().quantized_linear[format];
+  return {format, rows, blocks, row_bytes, out_features, out.scalar_type() == at::kFloat};
+}
+
+std::vector<float> float_values(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return {};
+  const at::Tensor f = t->to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+}
+
+// Input rows quantized block by block (quantize_activation_block), from rows of float32 or
+// bfloat16 with any row stride.
+struct QuantizedInput {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum, widened;
+  int64_t blocks = 0;
+
+  QuantizedInput(int64_t rows, int64_t blocks) : blocks(blocks) {
+    q.resize(size_t(rows * blocks * kQuantBlock));
+    scale.resize(size_t(rows * blocks));
+    sum.resize(size_t(rows * blocks));
+  }
+
+  // Rows [begin, end) of input; `row` is scratch of in_features floats.
+  void quantize(const at::Tensor& input, int64_t begin, int64_t end, float* row) {
+    const int64_t in_features = blocks * kQuantBlock, stride = input.stride(0);
+    const bool is_float32 = input.scalar_type() == at::kFloat;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* values;
+      if (is_float32 && input.stride(1) == 1) {
+        values = input.data_ptr<float>() + r * stride;
+      } else {
+        for (int64_t k = 0; k < in_features; ++k) {
+          row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
+                              : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
+        }
+        values = row;
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = r * blocks + b;
+        quantize_activation_block(values + b * kQuantBlock, q.data() + i * kQuantBlock, &scale[size_t(i)],
+                                  &sum[size_t(i)]);
+      }
+    }
+  }
+
+  QuantizedRows rows() const { return {q.data(), scale.data(), sum.data(), blocks}; }
+};
+
+// Phase 0 quantizes the input rows (shared by row), phase 1 multiplies (shared by output feature).
+class QuantizedLinearNode final : public OpNode {
+ public:
+  explicit QuantizedLinearNode(const NodeArgs& args)
+      : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
+        geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
+        quantized_(geometry_.rows, geometry_.blocks) {
+    // The bias itself where it is float32 already (a model's tensor, read at every replay).
+    if (args.optional_tensor(3).has_value()) bias_ = args.optional_tensor(3)->to(at::kFloat).contiguous();
+  }
+
+  void configure(int64_t threads) override {
+    kernel_ = active_kernels().quantized_linear[geometry_.format];
+    rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.blocks * kQuantBlock)));
+  }
+
+  int phases() const override { return 2; }
+  int64_t units(int) const override { return kShared; }
+
+  void run(int phase, const Turn& turn) override {
+    const QuantizedLinearGeometry& g = geometry_;
+    if (phase == 0) {
+      const Range rows = share_of(g.rows, 1, turn.team, turn.tid);
+      quantized_.quantize(input_, rows.begin, rows.end, rows_scratch_[size_t(turn.tid)].data());
+      return;
+    }
+    const Range features = share_of(g.out_features, kFeaturesPerTask, turn.team, turn.tid);
+    if (features.begin >= features.end || g.rows == 0) return;
+    kernel_(out_.data_ptr(), g.out_is_float32, quantized_.rows(), weight_.data_ptr<uint8_t>(), g.row_bytes,
+            bias_.defined() ? bias_.data_ptr<float>() : nullptr, g.rows, g.out_features, features.begin, features.end);
+  }
+
+ private:
+  at::Tensor out_, input_, weight_;
+  QuantizedLinearGeometry geometry_;
+  at::Tensor bias_;  // float32, or undefined
+  QuantizedInput quantized_;
+  std::vector<std::vector<float>> rows_scratch_;
+  QuantizedLinearFn kernel_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_quantized_linear_node(const NodeArgs& args) {
+  return std::make_unique<QuantizedLinearNode>(args);
+}
+
+void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t ggml_type,
+                      const std::optional<at::Tensor>& bias) {
+  const QuantizedLinearGeometry g = check_quantized_linear(out, input, weight, ggml_type, bias);
+  if (g.rows == 0 || g.out_features == 0) return;
+  const std::vector<float> bias_values = float_values(bias);
+  QuantizedInput x(g.rows, g.blocks);
+  at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(size_t(g.blocks * kQuantBlock));
+    x.quantize(input, begin, end, row.data());
+  });
+  const QuantizedRows quantized = x.rows();
+  const QuantizedLinearFn kernel = active_kernels().quantized_linear[g.format];
   void* out_ptr = out.data_ptr();
-  const bool out_is_float32 = out.scalar_type() == at::kFloat;
   const auto* w = weight.data_ptr<uint8_t>();
   const float* b = bias_values.empty() ? nullptr : bias_values.data();
-  at::parallel_for(0, out_features, kFeaturesPerTask, [&](int64_t begin, int64_t end) {
-    kernel(out_ptr, out_is_float32, quantized, w, row_bytes, b, rows, out_features, begin, end);
+  at::parallel_for(0, g.out_features, kFeaturesPerTask, [&](int64_t begin, int64_t end) {
+    kernel(out_ptr, g.out_is_float32, quantized, w, g.row_bytes, b, g.rows, g.out_features, begin, end);
   });
 }
 
