@@ -12,11 +12,13 @@ must read and write / time), and the speedup (composite time / kvflow time).
 
 import argparse
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import kvflow
 from kvflow import ops, platform
+from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
 from timing import read_bandwidth, timed, write_markdown
 
 
@@ -156,6 +158,64 @@ def small_linear_table(dtype, device, rows_grid, shapes, repeat, in_cache=False)
     return lines
 
 
+def random_gguf_blocks(ggml_type: int, out_features: int, in_features: int, rng) -> torch.Tensor:
+    """uint8 [out_features, row bytes] of random blocks: real scales, any codes (the time does not
+    depend on the values)."""
+    row_bytes = in_features // 32 * BLOCK_BYTES[ggml_type]
+    blocks = rng.integers(0, 256, (out_features, in_features // 32, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (out_features, in_features // 32, 2)).astype(np.float16).view(np.uint8)
+    blocks[:, :, :4 if ggml_type == GGML_Q4_1 else 2] = scales.reshape(out_features, in_features // 32, 4)[
+        :, :, :4 if ggml_type == GGML_Q4_1 else 2]
+    return torch.from_numpy(blocks.reshape(out_features, row_bytes))
+
+
+def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
+    """quantized_linear on GGUF blocks (Q4_0, Q4_1, Q8_0) against small_linear on the same shape in
+    bfloat16, weights from memory as in small_linear_table: the time of decode's products, and
+    the bytes each reads."""
+    bandwidth = read_bandwidth("cpu")
+    lines = [
+        "",
+        f"quantized_linear, weights from memory; machine read bandwidth {bandwidth:.1f} GB/s; "
+        "speedup = bf16 small_linear time / this time, same run",
+        "",
+        "| rows x in -> out | bf16 (us) | Q8_0 (us) | GB/s | speedup | Q4_1 (us) | GB/s | speedup | Q4_0 (us) | GB/s "
+        "| speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rng = np.random.default_rng(0)
+    for in_features, out_features in shapes:
+        def copies_of(make, nbytes):
+            return [make() for _ in range(-(-(256 << 20) // nbytes))]
+
+        bf16 = copies_of(lambda: torch.randn(out_features, in_features, dtype=torch.bfloat16),
+                         out_features * in_features * 2)
+        quantized = {t: copies_of(lambda t=t: random_gguf_blocks(t, out_features, in_features, rng),
+                                  out_features * in_features // 32 * BLOCK_BYTES[t])
+                     for t in (GGML_Q8_0, GGML_Q4_1, GGML_Q4_0)}
+        for rows in rows_grid:
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+
+            def run_bf16():
+                for weight in bf16:
+                    ops.small_linear(x, weight, out=out)
+
+            t_bf16 = timed(run_bf16, "cpu", 1, max(3, repeat // 10)) / len(bf16)
+            line = f"| {rows} x {in_features} -> {out_features} | {t_bf16 * 1e6:.1f} |"
+            for ggml_type, weights in quantized.items():
+                def run(weights=weights, ggml_type=ggml_type):
+                    for weight in weights:
+                        ops.quantized_linear(x, weight, ggml_type, out=out)
+
+                t = timed(run, "cpu", 1, max(3, repeat // 10)) / len(weights)
+                line += f" {t * 1e6:.1f} | {weights[0].numel() / t / 1e9:.1f} | {t_bf16 / t:.2f}x |"
+            lines.append(line)
+            print(line, flush=True)
+        del bf16, quantized
+    return lines
+
+
 def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
     """packed_linear against torch's matmul on the same products, bfloat16: prefill's and batched
     decode's many-row products, bound by arithmetic, so compared in GFLOP/s. The peers are
@@ -262,6 +322,8 @@ def main():
                         help="small_linear on one weight kept in cache instead of copies from memory")
     parser.add_argument("--packed-rows", type=int, nargs="*", default=[16, 64, 256, 2048],
                         help="rows for the packed_linear table (CPU, bfloat16 only; empty to skip)")
+    parser.add_argument("--quantized-rows", type=int, nargs="*", default=[1, 4],
+                        help="rows for the quantized_linear table (CPU only; empty to skip)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -300,6 +362,10 @@ def main():
         rows += packed_linear_table(args.packed_rows, [(576, 960), (576, 3072), (1536, 576), (576, 49152)],
                                     args.repeat)
         rows += packed_silu_table(args.packed_rows, 576, 1536, args.repeat)
+    if args.device == "cpu" and args.quantized_rows and not args.ops:
+        # SmolLM2-135M's gate|up and LM head, and a Llama-3-8B-sized MLP product.
+        rows += quantized_linear_table(args.quantized_rows, [(576, 3072), (576, 49152), (4096, 14336)],
+                                       args.repeat)
     write_markdown(args.markdown, header + rows)
 
 
