@@ -71,13 +71,12 @@ std::vector<float> float_values(const std::optional<at::Tensor>& t) {
 // bfloat16 with any row stride.
 struct QuantizedInput {
   std::vector<int8_t> q;
-  std::vector<float> scale, sum, widened;
+  std::vector<float> scale_sum;
   int64_t blocks = 0;
 
   QuantizedInput(int64_t rows, int64_t blocks) : blocks(blocks) {
     q.resize(size_t(rows * blocks * kQuantBlock));
-    scale.resize(size_t(rows * blocks));
-    sum.resize(size_t(rows * blocks));
+    scale_sum.resize(size_t(2 * rows * blocks));
   }
 
   // Rows [begin, end) of input; `row` is scratch of in_features floats.
@@ -97,13 +96,12 @@ struct QuantizedInput {
       }
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t i = r * blocks + b;
-        quantize_activation_block(values + b * kQuantBlock, q.data() + i * kQuantBlock, &scale[size_t(i)],
-                                  &sum[size_t(i)]);
+        quantize_activation_block(values + b * kQuantBlock, q.data() + i * kQuantBlock, &scale_sum[size_t(2 * i)]);
       }
     }
   }
 
-  QuantizedRows rows() const { return {q.data(), scale.data(), sum.data(), blocks}; }
+  QuantizedRows rows() const { return {q.data(), scale_sum.data(), blocks}; }
 };
 
 // Phase 0 quantizes the input rows (shared by row), phase 1 multiplies (shared by output feature).

@@ -80,19 +80,18 @@ inline void dequantize_block(QuantFormat format, const uint8_t* block, float* ou
   }
 }
 
-// Activation rows quantized for the products: row r's block b is q[(r * blocks + b) * 32 ...]
-// (int8) times scale[r * blocks + b]; sum[r * blocks + b] is the block's exact float32 sum of
-// the original values (Q4_1's offsets m multiply it).
+// Activation rows quantized for the products: row r's block i = r * blocks + b is
+// q[i * 32 ...] (int8) times scale_sum[2i]; scale_sum[2i + 1] is the block's exact float32 sum
+// of the original values (Q4_1's offsets m multiply it). Side by side, one 8-byte load reads both.
 struct QuantizedRows {
   const int8_t* q;
-  const float* scale;
-  const float* sum;
+  const float* scale_sum;
   int64_t blocks;  // in_features / 32
 };
 
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that
 // |x - scale * q| <= scale / 2 for every value (the bound the tests hold the products to).
-inline void quantize_activation_block(const float* x, int8_t* q, float* scale, float* sum) {
+inline void quantize_activation_block(const float* x, int8_t* q, float* scale_sum) {
   float amax = 0.f, total = 0.f;
   for (int j = 0; j < kQuantBlock; ++j) {
     amax = std::max(amax, std::fabs(x[j]));
@@ -103,8 +102,8 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale, f
   for (int j = 0; j < kQuantBlock; ++j) {
     q[j] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inverse))));
   }
-  *scale = d;
-  *sum = total;
+  scale_sum[0] = d;
+  scale_sum[1] = total;
 }
 
 }  // namespace kvflow::cpu

@@ -77,8 +77,8 @@ struct QuantDotGeneric {
         const int8_t* xq = x.q + i * kQuantBlock;
         int32_t dot = 0;
         for (int j = 0; j < 32; ++j) dot += codes[j] * int32_t(xq[j]);
-        acc[r] += d * x.scale[i] * float(dot);
-        if constexpr (F == QuantFormat::kQ4_1) acc[r] += block_half(w + 2) * x.sum[i];
+        acc[r] += d * x.scale_sum[2 * i] * float(dot);
+        if constexpr (F == QuantFormat::kQ4_1) acc[r] += block_half(w + 2) * x.scale_sum[2 * i + 1];
       }
     }
     for (int r = 0; r < kRows; ++r) sums[r] = acc[r];

@@ -20,12 +20,6 @@ struct QuantDotAvx2 {
   // The stream of weight rows, asked for this far ahead (as small_linear streams its rows).
   static constexpr int64_t kAheadBytes = 2048;
 
-  static float half_at(const uint8_t* p) {
-    uint16_t bits;
-    __builtin_memcpy(&bits, p, sizeof bits);
-    return _cvtsh_ss(bits);
-  }
-
   static __m256i codes(const uint8_t* block) {
     if constexpr (F == QuantFormat::kQ8_0) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
@@ -54,22 +48,36 @@ struct QuantDotAvx2 {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
 
+  // [d, m] of a Q4_1 block, [d, x] of the others (the second lane unused).
+  static __m128 scales(const uint8_t* block) {
+    int32_t bits;
+    __builtin_memcpy(&bits, block, sizeof bits);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  }
+
   template <int kRows>
   static void run(const uint8_t* w, const QuantizedRows& x, int64_t r0, float* sums) {
-    // Two accumulators a row, even and odd blocks, so that one row is not bound by the FMA's latency.
+    // Two accumulators a row, even and odd blocks, so that one row is not bound by the latency
+    // of the FMA (nor, for Q4_1, of the offsets' adds: lane 1 of `offsets` gathers m * sum(x)).
     __m256 acc[kRows][2];
-    float offsets[kRows] = {};
-    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m128 offsets[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      offsets[r][0] = offsets[r][1] = _mm_setzero_ps();
+    }
     auto block = [&](int64_t b, int chain) {
       const uint8_t* wb = w + b * kBytes;
       __builtin_prefetch(wb + kAheadBytes, 0, 2);
       const __m256i q = codes(wb);
-      const float d = half_at(wb);
+      const __m128 dm = scales(wb);
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = (r0 + r) * x.blocks + b;
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kQuantBlock));
-        acc[r][chain] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[i]), dot(q, xq), acc[r][chain]);
-        if constexpr (F == QuantFormat::kQ4_1) offsets[r] += half_at(wb + 2) * x.sum[i];
+        // [d * scale, m * sum]
+        const __m128 products =
+            _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.scale_sum + 2 * i))));
+        acc[r][chain] = _mm256_fmadd_ps(_mm256_broadcastss_ps(products), dot(q, xq), acc[r][chain]);
+        if constexpr (F == QuantFormat::kQ4_1) offsets[r][chain] = _mm_add_ps(offsets[r][chain], products);
       }
     };
     int64_t b = 0;
@@ -78,7 +86,10 @@ struct QuantDotAvx2 {
       block(b + 1, 1);
     }
     if (b < x.blocks) block(b, 0);
-    for (int r = 0; r < kRows; ++r) sums[r] = reduce(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r];
+    for (int r = 0; r < kRows; ++r) {
+      const __m128 offset = _mm_add_ps(offsets[r][0], offsets[r][1]);
+      sums[r] = reduce(_mm256_add_ps(acc[r][0], acc[r][1])) + _mm_cvtss_f32(_mm_shuffle_ps(offset, offset, 1));
+    }
   }
 };
 
