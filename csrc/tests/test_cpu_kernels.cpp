@@ -1,12 +1,15 @@
 // The numeric conversions and the CPU kernel tables, without torch: every instruction set the
 // CPU supports must agree with the formulas written out as plain loops.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "check.h"
+#include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "kvflow/numeric.h"
 
@@ -130,4 +133,78 @@ KVFLOW_TEST(fused_add_rms_norm_rows_outside_the_range_are_untouched) {
 KVFLOW_TEST(set_isa_rejects_unknown_names) {
   KVFLOW_CHECK_THROWS(set_isa("sse9"), std::invalid_argument);
   KVFLOW_CHECK(std::string(active_kernels().isa) == supported_isas().back());
+}
+
+KVFLOW_TEST(activation_blocks_quantize_within_half_a_step) {
+  auto x = random_floats(4 * kQuantBlock, 21, 3.f);
+  std::fill(x.begin() + 2 * kQuantBlock, x.begin() + 3 * kQuantBlock, 0.f);  // an all-zero block
+  std::vector<int8_t> q(x.size());
+  for (int64_t b = 0; b < 4; ++b) {
+    float scale_sum[2];
+    quantize_activation_block(x.data() + b * kQuantBlock, q.data() + b * kQuantBlock, scale_sum);
+    float sum = 0.f;
+    for (int64_t j = 0; j < kQuantBlock; ++j) {
+      const float v = x[size_t(b * kQuantBlock + j)];
+      sum += v;
+      KVFLOW_CHECK(std::fabs(v - scale_sum[0] * q[size_t(b * kQuantBlock + j)]) <= 0.5001f * scale_sum[0] + 1e-7f);
+    }
+    KVFLOW_CHECK(std::fabs(scale_sum[1] - sum) <= 1e-5f * (1.f + std::fabs(sum)));
+  }
+}
+
+// Every instruction set's quantized_linear against a plain loop over dequantize_block and the
+// activations as quantized, for each format: equal up to float32 accumulation.
+KVFLOW_TEST(quantized_linear_matches_dequantized_blocks) {
+  const int64_t rows = 5, blocks = 6, in_features = blocks * kQuantBlock, out_features = 9;
+  std::mt19937 gen(8);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
+  const auto x = random_floats(size_t(rows * in_features), 22);
+  std::vector<int8_t> xq(x.size());
+  std::vector<float> scale_sum(size_t(2 * rows * blocks));
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    quantize_activation_block(x.data() + i * kQuantBlock, xq.data() + i * kQuantBlock, scale_sum.data() + 2 * i);
+  }
+  const QuantizedRows quantized{xq.data(), scale_sum.data(), blocks};
+  for (QuantFormat format : {QuantFormat::kQ4_0, QuantFormat::kQ4_1, QuantFormat::kQ8_0}) {
+    const int64_t block_bytes = quant_block_bytes(format), row_bytes = blocks * block_bytes;
+    std::vector<uint8_t> weight(size_t(out_features * row_bytes));
+    for (auto& b : weight) b = uint8_t(byte(gen));
+    for (int64_t i = 0; i < out_features * blocks; ++i) {  // real scales: random bits could be inf or nan
+      for (int half = 0; half < (format == QuantFormat::kQ4_1 ? 2 : 1); ++half) {
+        const float16 s = from_float<float16>(scale(gen));
+        std::memcpy(weight.data() + i * block_bytes + 2 * half, &s.bits, 2);
+      }
+    }
+    std::vector<float> expected(size_t(rows * out_features)), bound(expected.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < out_features; ++o) {
+        double total = 0, magnitude = 0;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* block = weight.data() + o * row_bytes + b * block_bytes;
+          float w[kQuantBlock];
+          dequantize_block(format, block, w);
+          const float m = format == QuantFormat::kQ4_1 ? block_half(block + 2) : 0.f;
+          const int64_t i = r * blocks + b;
+          for (int64_t j = 0; j < kQuantBlock; ++j) {
+            const double term = double(w[j] - m) * scale_sum[size_t(2 * i)] * xq[size_t(i * kQuantBlock + j)];
+            total += term;
+            magnitude += std::fabs(term);
+          }
+          total += double(m) * scale_sum[size_t(2 * i + 1)];
+          magnitude += std::fabs(double(m) * scale_sum[size_t(2 * i + 1)]);
+        }
+        expected[size_t(r * out_features + o)] = float(total);
+        bound[size_t(r * out_features + o)] = float(2e-6 * magnitude + 1e-6);
+      }
+    }
+    for (const std::string& isa : supported_isas()) {
+      const KernelTable& t = table_named(isa);
+      std::vector<float> out(expected.size(), -1.f);
+      t.quantized_linear[int(format)](out.data(), true, quantized, weight.data(), row_bytes, nullptr, rows,
+                                      out_features, 0, out_features);
+      for (size_t k = 0; k < out.size(); ++k) KVFLOW_CHECK(std::fabs(out[k] - expected[k]) <= bound[k]);
+    }
+  }
+  set_isa(supported_isas().back());
 }
