@@ -271,6 +271,30 @@ def test_bfloat16_with_packed_weights_is_as_close_to_the_reference(kv_bf16, kv_b
             assert packed.argmax() == plain.argmax() == ref.prompt_logits.argmax(), name
 
 
+def test_packed_copies_are_made_only_while_they_fit_in_memory(kv_bf16, hf_reference, monkeypatch, caplog):
+    """A machine that holds the model once but not twice: the copies stop at what is available
+    beyond the KV cache's reservation, the load says so, and the prompt logits stay as close to
+    the float32 reference as the plain path's."""
+    from kvflow.loader import model_loader
+
+    modules = kv_bf16.model.linear_modules()
+    room = sum(m.weight.nbytes for m in modules[:5])
+    reserved = 3 << 20
+    monkeypatch.setattr(model_loader, "available_memory_bytes", lambda: room + reserved + model_loader.PACKING_HEADROOM)
+    with caplog.at_level("WARNING", logger="kvflow"):
+        lm = load_model(None, torch.bfloat16, cpu_prepack_weights=True, cpu_reserved_bytes=reserved)
+    packed = [m.packed_weight is not None for m in lm.model.linear_modules()]
+    assert packed[:5] == [True] * 5 and 5 <= sum(packed) < len(packed)
+    assert sum(m.weight.nbytes for m, p in zip(lm.model.linear_modules(), packed) if p) <= room
+    assert f"packed copies of {sum(packed)} of {len(packed)} weights" in caplog.text
+    for name in PROMPT_NAMES:
+        ref = hf_reference[name]
+        partial = kvflow_prompt_logits(lm, ref.prompt_ids)
+        plain = kvflow_prompt_logits(kv_bf16, ref.prompt_ids)
+        error, plain_error = ((x - ref.prompt_logits).abs().max().item() for x in (partial, plain))
+        assert error < 2 * plain_error + 0.1, f"{name}: partly packed {error:.3f} vs plain {plain_error:.3f}"
+
+
 @pytest.mark.parametrize("name", PROMPT_NAMES)
 def test_tokenizer_matches_hugging_face(name, kv_fp32, hf_tokenizer):
     """The parity tests feed transformers' ids to both models; this is what kvflow makes of the same text."""

@@ -27,7 +27,8 @@ class EngineConfig:
     threads: int | None = None            # CPU threads (default: torch's)
     seed: int = 0                         # seeds requests that bring none
     cpu_prepack_weights: bool = True      # bf16 on CPU: a packed copy of each projection for many-row
-                                          # products (faster prefill and large batches, 2x weight memory)
+                                          # products (faster prefill and large batches, 2x weight memory;
+                                          # only as many as fit in the memory available)
 
     def __post_init__(self):
         if self.dtype is None:

