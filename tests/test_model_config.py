@@ -36,6 +36,10 @@ def test_an_unsupported_architecture_is_named_before_its_fields(tmp_path, archit
     ("no_rope_layers", [1, 1, 0], "no_rope_layers has 3 entries for 2 layers"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention is not supported"),
     ("head_dim", 72, r"head_dim 72 is not supported \(supported: \(64, 80, 96, 128, 256\)\)"),
+    ("quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128},
+     r"quantization_config \(quant_method 'gptq'\) is not supported"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+     r"quantization_config \(quant_method 'fp8'\) is not supported"),
 ])
 def test_a_field_that_changes_the_math_is_refused_by_name(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -263,3 +263,8 @@ def reject_unsupported_fields(config: dict) -> None:
                          f"hidden_act {act!r}")
     if config.get("use_bidirectional_attention"):
         raise ValueError("model config: use_bidirectional_attention is not supported (attention is causal)")
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"model config: quantization_config (quant_method {method!r}) is not supported: kvflow "
+                         "loads Hugging Face checkpoints in float32, float16 or bfloat16, and GGUF files")
