@@ -46,6 +46,13 @@ void quantized_linear(at::Tensor& out,                        // [rows, out_feat
                       const at::Tensor& weight,               // [out_features, row bytes] uint8
                       int64_t ggml_type,
                       const std::optional<at::Tensor>& bias);  // [out_features]
+
+// CPU only (for now): the embedding lookup on a table kept in GGUF blocks (types as for
+// quantized_linear), each row dequantized into out's dtype and times scale.
+void quantized_embedding(at::Tensor& out,              // [num_tokens, hidden]
+                         const at::Tensor& token_ids,  // [num_tokens] int64
+                         const at::Tensor& weight,     // [vocab_size, row bytes] uint8
+                         int64_t ggml_type, double scale);
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -77,6 +77,9 @@ TORCH_LIBRARY(kvflow, m) {
   // out = input @ weight^T (+ bias), weight in GGUF blocks of GGML type ggml_type (Q4_0, Q4_1,
   // Q8_0), uint8 [out_features, row bytes] as the file stores it. CPU only.
   m.def("quantized_linear(Tensor! out, Tensor input, Tensor weight, int ggml_type, Tensor? bias=None) -> ()");
+  // The rows of a table in GGUF blocks (types as quantized_linear) that token_ids name, dequantized
+  // into out's dtype, times scale. CPU only.
+  m.def("quantized_embedding(Tensor! out, Tensor token_ids, Tensor weight, int ggml_type, float scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
@@ -101,6 +104,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("packed_linear", &kvflow::cpu::packed_linear);
   m.impl("packed_silu_and_mul", &kvflow::cpu::packed_silu_and_mul);
   m.impl("quantized_linear", &kvflow::cpu::quantized_linear);
+  m.impl("quantized_embedding", &kvflow::cpu::quantized_embedding);
 }
 
 #ifdef KVFLOW_WITH_CUDA

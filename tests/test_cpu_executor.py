@@ -396,6 +396,22 @@ def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_
     assert torch.equal(captured.outputs[0], step())
 
 
+def test_a_quantized_embedding_replays_with_each_steps_token_ids(threads):
+    rng = np.random.default_rng(3)
+    table = torch.from_numpy(random_blocks(GGML_Q8_0, 300, 96, rng))
+    ids = torch.tensor([5, 299, 0])
+
+    def step():
+        return ops.quantized_embedding(ids, table, GGML_Q8_0, scale=2.0, out_dtype=torch.bfloat16)
+
+    expected, captured, reason = capture(step)
+    assert captured is not None, reason
+    ids.copy_(torch.tensor([17, 17, 250]))
+    captured.program.run(1, 1)
+    assert torch.equal(captured.outputs[0], step())
+    assert not torch.equal(captured.outputs[0], expected)
+
+
 def test_a_step_that_computes_outside_kvflow_ops_is_not_captured():
     model = small_model(torch.float32)
     ids, md, kv = decode_step(model, [9], torch.float32)

@@ -115,11 +115,19 @@ def hf_tokenizer():
 
 @pytest.fixture(scope="module")
 def kv_fp32():
-    return load_model(None, torch.float32)
+    """The file's weights dequantized to float32, as transformers reads them: the parity reference."""
+    return load_model(None, torch.float32, dequantize_weights=True)
 
 
 @pytest.fixture(scope="module")
 def kv_bf16():
+    return load_model(None, torch.bfloat16, dequantize_weights=True)
+
+
+@pytest.fixture(scope="module")
+def kv_quantized():
+    """As the engine loads it by default: the projections in the file's Q4_1 blocks, the tied
+    embedding and LM head in Q8_0, activations in bfloat16."""
     return load_model(None, torch.bfloat16)
 
 
@@ -127,7 +135,7 @@ def kv_bf16():
 def kv_bf16_packed():
     """bfloat16 as the engine runs it on the CPU: products of more than 8 rows read packed copies
     of the weights (kvflow's packed_linear on every instruction set)."""
-    lm = load_model(None, torch.bfloat16)
+    lm = load_model(None, torch.bfloat16, dequantize_weights=True)
     assert lm.model.prepack_linear_weights() == 4 * lm.config.num_layers + 1  # and the LM head
     return lm
 
@@ -282,7 +290,8 @@ def test_packed_copies_are_made_only_while_they_fit_in_memory(kv_bf16, hf_refere
     reserved = 3 << 20
     monkeypatch.setattr(model_loader, "available_memory_bytes", lambda: room + reserved + model_loader.PACKING_HEADROOM)
     with caplog.at_level("WARNING", logger="kvflow"):
-        lm = load_model(None, torch.bfloat16, cpu_prepack_weights=True, cpu_reserved_bytes=reserved)
+        lm = load_model(None, torch.bfloat16, cpu_prepack_weights=True, cpu_reserved_bytes=reserved,
+                        dequantize_weights=True)
     packed = [m.packed_weight is not None for m in lm.model.linear_modules()]
     assert packed[:5] == [True] * 5 and 5 <= sum(packed) < len(packed)
     assert sum(m.weight.nbytes for m, p in zip(lm.model.linear_modules(), packed) if p) <= room
@@ -303,6 +312,74 @@ def test_tokenizer_matches_hugging_face(name, kv_fp32, hf_tokenizer):
         assert text == hf_tokenizer.apply_chat_template(CHAT_PROMPTS[name], add_generation_prompt=True,
                                                         tokenize=False)
     assert kvflow_prompt_ids(kv_fp32.tokenizer, name) == hf_prompt_ids(hf_tokenizer, name)
+
+
+# ------------------------------------------------------------------------- quantized weights
+
+# The end-to-end bound the quantized path is held to: the file's own weights, dequantized to float32
+# (whose logits match transformers', above), give the reference perplexity.
+QUANTIZED_PERPLEXITY_RTOL = 0.01
+
+
+def kvflow_perplexity(lm, ids: list[int]) -> float:
+    """exp(mean negative log-likelihood) of ids[1:] given their prefixes, from one prefill."""
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(lm.config, num_blocks, BLOCK_SIZE, lm.dtype, "cpu")
+    metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(num_blocks))], BLOCK_SIZE)
+    logits = lm.model.compute_logits(lm.model(torch.tensor(ids), metadata, kv_caches))[:-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def test_quantized_weights_stay_in_the_files_blocks(kv_quantized, kv_fp32):
+    """Every projection holds the file's Q4_1 blocks and the tied embedding its Q8_0 blocks, byte
+    for byte (q and k rows back in Hugging Face's order); together they take less memory than the
+    file, a third of the same weights in bfloat16."""
+    from kvflow.layers import Linear
+    from kvflow.ops.quantized import GGML_Q4_1, GGML_Q8_0
+
+    model, config = kv_quantized.model, kv_quantized.config
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(projections) == 4 * config.num_layers
+    assert all(m.ggml_type == GGML_Q4_1 and m.weight.dtype == torch.uint8 for m in projections)
+    assert model.embed_tokens.ggml_type == GGML_Q8_0 and model.lm_head.ggml_type == GGML_Q8_0
+    for ours, reference in [(model.layers[3].self_attn.qkv_proj.weight, kv_fp32.model.layers[3].self_attn.qkv_proj.weight),
+                            (model.layers[0].mlp.down_proj.weight, kv_fp32.model.layers[0].mlp.down_proj.weight)]:
+        values = gguf.quants.dequantize(ours.numpy(), gguf.GGMLQuantizationType.Q4_1)
+        assert torch.equal(torch.from_numpy(values), reference)
+    embedding = gguf.quants.dequantize(model.embed_tokens.weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(torch.from_numpy(embedding), kv_fp32.model.embed_tokens.weight)
+    resident = sum(p.nbytes for p in model.parameters())
+    assert resident <= os.path.getsize(kv_quantized.path)
+    assert sum(p.nbytes for p in kv_fp32.model.parameters()) / 2 > 2.5 * resident  # bfloat16 would be half of float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_perplexity_is_within_one_percent_of_float32(dtype, kv_quantized, kv_fp32, hf_tokenizer,
+                                                                record_property):
+    """The embedded model on a fixed text (the eight paragraphs, ~500 tokens) through the quantized
+    kernels, activations in dtype: its perplexity is within 1% of the same weights dequantized to
+    float32."""
+    lm = kv_quantized if dtype == torch.bfloat16 else load_model(None, torch.float32)
+    ids = hf_prompt_ids(hf_tokenizer, "long_essay")
+    reference = kvflow_perplexity(kv_fp32, ids)
+    quantized = kvflow_perplexity(lm, ids)
+    print(f"perplexity over {len(ids)} tokens: float32 {reference:.4f}, quantized ({dtype}) {quantized:.4f}")
+    record_property(f"quantized_perplexity[{dtype}]", quantized)
+    assert abs(quantized / reference - 1) <= QUANTIZED_PERPLEXITY_RTOL
+
+
+def test_quantized_greedy_output_stays_close_to_float32(kv_quantized, hf_reference):
+    """Greedy answers through the quantized kernels start as the float32 ones do on most prompts
+    (int8 activations move logits by about as much as bfloat16 does), and their prompt logits stay
+    within the bfloat16 path's sanity bound."""
+    first_token_agrees = []
+    for name in PROMPT_NAMES:
+        ref = hf_reference[name]
+        error = (kvflow_prompt_logits(kv_quantized, ref.prompt_ids) - ref.prompt_logits).abs().max().item()
+        assert error < BF16_LOGIT_SANITY, f"{name}: quantized logits off by {error:.3f}"
+        first_token_agrees.append(kvflow_greedy(kv_quantized, ref.prompt_ids, max_tokens=4)[0] == ref.tokens[0])
+    assert sum(first_token_agrees) >= math.ceil(BF16_FIRST_TOKEN_AGREEMENT * len(PROMPT_NAMES)), first_token_agrees
 
 
 # ------------------------------------------------------------------------- safetensors directories

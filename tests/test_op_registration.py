@@ -71,6 +71,9 @@ def op_cases():
         "quantized_linear": (torch.ops.kvflow.quantized_linear,
                              (torch.empty(3, 5), torch.randn(3, 64), torch.randint(0, 256, (5, 40), dtype=torch.uint8),
                               3, torch.randn(5))),
+        "quantized_embedding": (torch.ops.kvflow.quantized_embedding,
+                                (torch.empty(3, 64, dtype=torch.bfloat16), torch.tensor([0, 4, 2]),
+                                 torch.randint(0, 256, (5, 68), dtype=torch.uint8), 8, 1.5)),
         "copy_blocks": (
             torch.ops.kvflow.copy_blocks,
             ([cache.clone(), cache.clone()], [cache.clone(), cache.clone()], torch.tensor([[0, 2], [1, 3]])),

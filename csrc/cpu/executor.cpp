@@ -47,6 +47,7 @@ const std::unordered_map<std::string, NodeFactory>& node_factories() {
       {"packed_linear", &make_packed_linear_node},
       {"packed_silu_and_mul", &make_packed_linear_node},
       {"quantized_linear", &make_quantized_linear_node},
+      {"quantized_embedding", &make_quantized_embedding_node},
       {"scale_logits", &make_scale_logits_node},
       {"sample", &make_sample_node},
   };

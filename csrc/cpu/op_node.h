@@ -148,6 +148,7 @@ std::unique_ptr<OpNode> make_paged_attention_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_small_linear_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_packed_linear_node(const NodeArgs& args);  // packed_linear, packed_silu_and_mul
 std::unique_ptr<OpNode> make_quantized_linear_node(const NodeArgs& args);
+std::unique_ptr<OpNode> make_quantized_embedding_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_scale_logits_node(const NodeArgs& args);
 std::unique_ptr<OpNode> make_sample_node(const NodeArgs& args);
 

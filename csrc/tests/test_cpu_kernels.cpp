@@ -142,14 +142,29 @@ KVFLOW_TEST(activation_blocks_quantize_within_half_a_step) {
   for (int64_t b = 0; b < 4; ++b) {
     float scale_sum[2];
     quantize_activation_block(x.data() + b * kQuantBlock, q.data() + b * kQuantBlock, scale_sum);
-    float sum = 0.f;
+    int code_sum = 0;
     for (int64_t j = 0; j < kQuantBlock; ++j) {
       const float v = x[size_t(b * kQuantBlock + j)];
-      sum += v;
+      code_sum += q[size_t(b * kQuantBlock + j)];
       KVFLOW_CHECK(std::fabs(v - scale_sum[0] * q[size_t(b * kQuantBlock + j)]) <= 0.5001f * scale_sum[0] + 1e-7f);
     }
-    KVFLOW_CHECK(std::fabs(scale_sum[1] - sum) <= 1e-5f * (1.f + std::fabs(sum)));
+    KVFLOW_CHECK(scale_sum[1] == scale_sum[0] * float(code_sum));
   }
+}
+
+// An activation exactly halfway between two codes (frequent for bfloat16 inputs) rounds to the
+// even one, in both directions: no bias in a block's ties.
+KVFLOW_TEST(activation_ties_round_to_even) {
+  std::vector<float> x(kQuantBlock, 0.f);
+  x[0] = 127.f;  // the scale is 1: the codes are the values, rounded
+  const float halves[] = {2.5f, 3.5f, -2.5f, -3.5f, 0.5f, -0.5f, 126.5f};
+  const int expected[] = {2, 4, -2, -4, 0, 0, 126};
+  for (int i = 0; i < 7; ++i) x[size_t(i + 1)] = halves[i];
+  std::vector<int8_t> q(kQuantBlock);
+  float scale_sum[2];
+  quantize_activation_block(x.data(), q.data(), scale_sum);
+  KVFLOW_CHECK(scale_sum[0] == 1.f);
+  for (int i = 0; i < 7; ++i) KVFLOW_CHECK(q[size_t(i + 1)] == expected[i]);
 }
 
 // Every instruction set's quantized_linear against a plain loop over dequantize_block and the

@@ -67,6 +67,8 @@ def _engine_flags(args) -> list[str]:
         flags.append("--no-enable-prefix-caching")
     if args.enforce_eager:
         flags.append("--enforce-eager")
+    if args.dequantize_weights:
+        flags.append("--dequantize-weights")
     return flags
 
 

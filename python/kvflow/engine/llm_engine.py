@@ -72,7 +72,8 @@ class LLMEngine:
             logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
                            self.platform.model)
         loaded = load_model(config.model, config.torch_dtype, config.device, config.cpu_prepack_weights,
-                            config.max_model_len, cpu_reserved_bytes=config.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+                            config.max_model_len, cpu_reserved_bytes=config.kv_cache_memory or CPU_KV_CACHE_MEMORY,
+                            dequantize_weights=config.dequantize_weights)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds

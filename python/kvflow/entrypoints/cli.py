@@ -32,7 +32,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "embedded default SmolLM2-135M-Instruct (the default)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="weights and activations (default: bfloat16, or float32 on a CPU without AVX2; "
-                             "quantized GGUF weights are dequantized at load)")
+                             "GGUF weights of quantized types kvflow has no kernels for are dequantized to it)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
@@ -45,6 +45,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps op by op instead of replaying a CUDA graph (CUDA) or a captured "
                         "program in one parallel region (CPU)")
+    parser.add_argument("--dequantize-weights", action="store_true",
+                        help="load a GGUF file's Q4_0/Q4_1/Q8_0 weights in --dtype instead of keeping them in "
+                        "their blocks (more memory, slower decode)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")

@@ -20,6 +20,7 @@ def build_engine_config(args) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, block_size=args.block_size,
+                        dequantize_weights=args.dequantize_weights,
                         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
                         seed=args.seed if args.seed is not None else 0)
 

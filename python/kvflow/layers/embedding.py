@@ -3,24 +3,41 @@
 import torch
 from torch import nn
 
-from kvflow.layers.linear import PackedWeight
+from kvflow.layers.linear import PackedWeight, can_hold_quantized, quantized_parameter
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
 class VocabEmbedding(nn.Module):
-    """scale: every embedding times this (Gemma's sqrt(hidden_size), Granite's embedding_multiplier)."""
+    """scale: every embedding times this (Gemma's sqrt(hidden_size), Granite's embedding_multiplier).
+    After hold_quantized, the table stays in a GGUF file's blocks and each looked-up row is
+    dequantized on the way out (quantized_embedding)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, scale: float = 1.0):
         super().__init__()
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
         self.scale = float(scale)
+        self.ggml_type: int | None = None
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
+        if self.ggml_type is not None:
+            out = torch.empty((token_ids.shape[0], self.hidden_size), dtype=self.dtype)
+            torch.ops.kvflow.quantized_embedding(out, token_ids, self.weight, self.ggml_type, self.scale)
+            return out
         out = self.weight.new_empty((token_ids.shape[0], self.weight.shape[1]))
         torch.ops.kvflow.embedding(out, token_ids, self.weight, self.scale)
         return out
+
+    def hold_quantized(self, ggml_type: int) -> bool:
+        """As Linear.hold_quantized, for the table (and an LM head tied to it)."""
+        if not can_hold_quantized(self.weight, ggml_type):
+            return False
+        self.weight = quantized_parameter(self.weight, ggml_type)
+        self.ggml_type = ggml_type
+        return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 
@@ -28,19 +45,31 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]. On the CPU, up to
     SMALL_LINEAR_MAX_ROWS rows get their logits straight from the float32 accumulators, without
-    a round trip through a bfloat16 that would tie tokens within 0.125 of each other."""
+    a round trip through a bfloat16 that would tie tokens within 0.125 of each other. A weight
+    in GGUF blocks (its own, or the tied embedding's) goes to quantized_linear at any row count."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  tied_to: VocabEmbedding | None = None):
         super().__init__()
         self.tied_to = tied_to
         self.packed_weight: PackedWeight | None = None  # as Linear.packed_weight
+        self.own_ggml_type: int | None = None  # see hold_quantized()
         if tied_to is None:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    @property
+    def ggml_type(self) -> int | None:
+        """The GGML type of the weight's blocks, or None for a float weight."""
+        return self.tied_to.ggml_type if self.tied_to is not None else self.own_ggml_type
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         rows = hidden.shape[0]
+        ggml_type = self.ggml_type
+        if ggml_type is not None:
+            logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+            torch.ops.kvflow.quantized_linear(logits, hidden, weight, ggml_type, None)
+            return logits
         if hidden.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS:
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
             torch.ops.kvflow.small_linear(logits, hidden, weight, None)
@@ -52,7 +81,15 @@ class LMHead(nn.Module):
     def prepack(self) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        self.packed_weight = PackedWeight.of(weight)
+        self.packed_weight = None if self.ggml_type is not None else PackedWeight.of(weight)
         return self.packed_weight is not None
+
+    def hold_quantized(self, ggml_type: int) -> bool:
+        """As Linear.hold_quantized, for an untied weight (a tied one follows the embedding's)."""
+        if self.tied_to is not None or not can_hold_quantized(self.weight, ggml_type):
+            return False
+        self.weight = quantized_parameter(self.weight, ggml_type)
+        self.own_ggml_type = ggml_type
+        return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

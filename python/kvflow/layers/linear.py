@@ -7,6 +7,20 @@ from torch import nn
 from kvflow import ops
 from kvflow.layers.activation import GatedActivation
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
+from kvflow.ops.quantized import BLOCK_BYTES, QUANT_BLOCK, quantized_row_bytes
+
+
+def can_hold_quantized(weight: torch.Tensor, ggml_type: int) -> bool:
+    """Whether a float CPU weight [rows, in_features] may be replaced by the GGUF blocks of
+    ggml_type: a type quantized_linear runs, whole blocks a row, activations it takes."""
+    return (ggml_type in BLOCK_BYTES and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] % QUANT_BLOCK == 0 and weight.dtype in (torch.float32, torch.bfloat16))
+
+
+def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter:
+    """An empty uint8 parameter [rows, row bytes] for weight's values in ggml_type's blocks."""
+    return nn.Parameter(torch.empty(weight.shape[0], quantized_row_bytes(weight.shape[1], ggml_type),
+                                    dtype=torch.uint8), requires_grad=False)
 
 
 class PackedWeight:
@@ -46,7 +60,9 @@ class PackedWeight:
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias); weight [out_features, in_features]."""
+    """y = x @ weight.T (+ bias); weight [out_features, in_features], or, after
+    hold_quantized(ggml_type), that weight as a GGUF file stores it: uint8 [out_features, row
+    bytes] of ggml_type's blocks, multiplied by quantized_linear without being dequantized."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
@@ -55,11 +71,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: PackedWeight | None = None  # see prepack()
+        self.ggml_type: int | None = None  # see hold_quantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]. Few rows on the CPU (decode) go to
         small_linear, which reads the weight once at memory speed; more go to torch's matmul."""
         rows = x.shape[0]
+        if self.ggml_type is not None:
+            out = x.new_empty((rows, self.out_features))
+            torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, self.bias)
+            return out
         if x.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS and x.dim() == 2:
             out = x.new_empty((rows, self.out_features))
             torch.ops.kvflow.small_linear(out, x, self.weight, self.bias)
@@ -71,9 +92,19 @@ class Linear(nn.Module):
     def prepack(self) -> bool:
         """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where the
-        weight cannot be packed (another dtype or device)."""
-        self.packed_weight = PackedWeight.of(self.weight)
+        weight cannot be packed (another dtype or device, or a quantized weight)."""
+        self.packed_weight = None if self.ggml_type is not None else PackedWeight.of(self.weight)
         return self.packed_weight is not None
+
+    def hold_quantized(self, ggml_type: int) -> bool:
+        """Makes the weight a uint8 parameter for GGUF blocks of ggml_type, for the loader to fill
+        with the file's bytes (load_part's slices are whole rows, so merged parts fill alike).
+        False, changing nothing, where quantized_linear cannot run it (see can_hold_quantized)."""
+        if not can_hold_quantized(self.weight, ggml_type):
+            return False
+        self.weight = quantized_parameter(self.weight, ggml_type)
+        self.ggml_type = ggml_type
+        return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
 
@@ -134,6 +165,8 @@ class GateUpLinear(MergedLinear):
 
     def prepack(self) -> bool:
         """As Linear.prepack; packed for the SiLU epilogue where that is the whole computation."""
+        if self.ggml_type is not None:
+            return False
         self.packed_weight = PackedWeight.of(self.weight, gate_up=self.plain_silu)
         return self.packed_weight is not None
 
@@ -143,4 +176,7 @@ def copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> 
     if tuple(source.shape) != tuple(destination.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(source.shape)} does not match the model's "
                          f"{tuple(destination.shape)}")
+    if (source.dtype == torch.uint8) != (destination.dtype == torch.uint8):
+        raise ValueError(f"{what}: checkpoint {'quantized blocks' if source.dtype == torch.uint8 else 'float values'} "
+                         f"for a {'quantized' if destination.dtype == torch.uint8 else 'float'} weight")
     destination.copy_(source)

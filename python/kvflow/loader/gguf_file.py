@@ -1,5 +1,6 @@
-"""GGUF checkpoints: the model config from metadata, tensors dequantized to float and renamed to
-Hugging Face names so that one weight-loading path serves both formats."""
+"""GGUF checkpoints: the model config from metadata, tensors renamed to Hugging Face names so
+that one weight-loading path serves both formats, each either dequantized to float or, where the
+model holds it quantized, as the file's raw blocks."""
 
 import os
 import re
@@ -12,7 +13,8 @@ import torch
 from kvflow.models.config import ModelConfig
 from kvflow.models.registry import GGUF_ARCHITECTURES
 
-# Tensor types dequantized at load (quantized kernels are a later step).
+# Tensor types kvflow loads: kept in their blocks where the model can hold them (see
+# LlamaForCausalLM.hold_quantized_weights), dequantized otherwise.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp stores the q and k rows of these architectures permuted for its interleaved RoPE.
@@ -209,15 +211,23 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     return f"{_GLOBAL_TENSORS[base]}.{kind}"
 
 
-def gguf_weights(reader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float tensor) for every parameter tensor in the file, dequantized, with
-    llama.cpp's q/k row permutation undone."""
+def gguf_tensor_types(reader) -> dict[str, int]:
+    """Hugging Face name (without "model.") -> GGML type id, for every parameter tensor."""
+    arch = field(reader, "general.architecture")
+    names = ((hf_name(tensor.name, arch), tensor) for tensor in reader.tensors)
+    return {name.removeprefix("model."): int(tensor.tensor_type) for name, tensor in names if name is not None}
+
+
+def gguf_weights(reader, config: ModelConfig, raw_names: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every parameter tensor in the file, with llama.cpp's q/k
+    row permutation undone: the raw blocks (uint8 [rows, row bytes]) for the names in raw_names
+    (without "model."), float values dequantized for the others."""
     arch = field(reader, "general.architecture")
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch)
         if name is None:
             continue
-        weight = _dequantize(tensor)
+        weight = _raw_blocks(tensor) if name.removeprefix("model.") in raw_names else _dequantize(tensor)
         if arch in _NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
             weight = weight - 1.0
         if arch in _PERMUTED_QK_ARCHITECTURES:
@@ -246,6 +256,18 @@ def _dequantize(tensor) -> torch.Tensor:
     with warnings.catch_warnings():  # the memory map is read-only, and kvflow only ever copies out of it
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+
+
+def _raw_blocks(tensor) -> torch.Tensor:
+    """A quantized tensor's bytes as uint8 [rows, row bytes], rows in the file's order."""
+    rows = int(np.prod([int(n) for n in tensor.shape[1:]]))
+    array = np.asarray(tensor.data, dtype=np.uint8)
+    if rows == 0 or array.size % rows:
+        raise ValueError(f"GGUF tensor {tensor.name!r} holds {array.size} bytes, not whole rows of its "
+                         f"{rows} (is the file truncated?)")
+    with warnings.catch_warnings():  # the memory map is read-only, and kvflow only ever copies out of it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array.reshape(rows, -1))
 
 
 def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

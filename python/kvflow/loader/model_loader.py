@@ -10,7 +10,7 @@ import torch
 
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.memory import available_memory_bytes
-from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
+from kvflow.loader.gguf_file import config_from_gguf, gguf_tensor_types, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
 from kvflow.models.registry import model_class
@@ -58,10 +58,13 @@ def resolve_model_path(model: str | None) -> str:
 
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", cpu_prepack_weights: bool = False,
-               max_model_len: int | None = None, cpu_reserved_bytes: int = 0) -> LoadedModel:
-    """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`
-    (float quantized weights are dequantized at load), with its tokenizer, for sequences of at
-    most max_model_len tokens (None: the model's context; see ModelConfig.with_context). On the CPU the weights
+               max_model_len: int | None = None, cpu_reserved_bytes: int = 0,
+               dequantize_weights: bool = False) -> LoadedModel:
+    """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`,
+    with its tokenizer, for sequences of at most max_model_len tokens (None: the model's context;
+    see ModelConfig.with_context). A GGUF file's quantized weights stay in their blocks on the
+    CPU where kvflow's quantized ops run their type (Q4_0, Q4_1, Q8_0; activations in float32
+    or bfloat16), unless dequantize_weights; the others are dequantized to dtype. On the CPU the weights
     are then prepared for the kernels: packed copies for many-row products where
     cpu_prepack_weights says so and memory allows (keeping cpu_reserved_bytes free, for the KV
     cache that comes after), and everything moved into huge pages (decode streams it every step)."""
@@ -71,26 +74,51 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     path = resolve_model_path(model)
     # The architecture and the weight files are checked before the tokenizer is read, so that a
     # directory that cannot work is reported for what it lacks, not for its tokenizer.
+    reader = None
     if os.path.isdir(path):
         config = read_hf_config(path)
         graph_class = model_class(config.architecture)
         safetensors_files(path)
         tokenizer = Tokenizer.from_pretrained(path)
-        weights = safetensors_weights(path)
     else:
         reader = open_gguf(path)
         config = config_from_gguf(reader)
         graph_class = model_class(config.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
-        weights = gguf_weights(reader, config)
     config = config.with_context(max_model_len)
     with torch.device(device):
         graph = graph_class(config, dtype)
+    if reader is None:
+        weights = safetensors_weights(path)
+    else:
+        raw_names = set()
+        if not dequantize_weights and hasattr(graph, "hold_quantized_weights"):
+            raw_names = graph.hold_quantized_weights(gguf_tensor_types(reader))
+        weights = gguf_weights(reader, config, raw_names)
     graph.load_weights(weights)
     graph.eval()
+    logger.info("kvflow: weights of %s: %s", os.path.basename(path), describe_weights(graph))
     if torch.device(device).type == "cpu":
         prepare_cpu_weights(graph, cpu_prepack_weights, cpu_reserved_bytes)
     return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """How the model holds its weights: per GGML type of the quantized ones and per float dtype,
+    how many tensors and their memory ("Q4_1: 210 tensors, 86.1 MiB; bfloat16: 61 tensors, 0.1 MiB")."""
+    from kvflow.ops.quantized import GGML_TYPE_NAMES
+
+    groups: dict[str, list[int]] = {}
+    for module in model.modules():
+        ggml_type = getattr(module, "own_ggml_type", getattr(module, "ggml_type", None))
+        for parameter in module.parameters(recurse=False):
+            quantized = parameter.dtype == torch.uint8 and ggml_type is not None
+            kind = GGML_TYPE_NAMES.get(ggml_type, str(ggml_type)) if quantized else str(parameter.dtype).removeprefix("torch.")
+            count_bytes = groups.setdefault(kind, [0, 0])
+            count_bytes[0] += 1
+            count_bytes[1] += parameter.nbytes
+    return "; ".join(f"{kind}: {count} tensor{'s' if count != 1 else ''}, {size / 2**20:.1f} MiB"
+                     for kind, (count, size) in sorted(groups.items(), key=lambda item: -item[1][1]))
 
 
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0) -> None:
@@ -104,7 +132,7 @@ def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: i
         available = available_memory_bytes()
         budget = None if available is None else max(0, available - reserved_bytes - PACKING_HEADROOM)
         packed = model.prepack_linear_weights(budget)
-        wanted = len(model.linear_modules())
+        wanted = sum(1 for module in model.linear_modules() if module.ggml_type is None)
         if packed < wanted:
             logger.warning("kvflow: packed copies of %d of %d weights: the others would not fit in the %.1f GiB "
                            "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "

@@ -16,6 +16,9 @@ from kvflow.layers.linear import copy_checked
 from kvflow.models.config import ModelConfig
 from kvflow.ops.sampling import scale_logits
 
+# The checkpoint tensors each merged projection holds, in the order of its parts.
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
 
@@ -145,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
         would take more than what is left of it keeps its plain weight only."""
         packed = 0
         for module in self.linear_modules():
+            if module.ggml_type is not None:  # its blocks are what its products read
+                continue
             tied = getattr(module, "tied_to", None)
             size = (tied.weight if tied is not None else module.weight).nbytes
             if budget_bytes is not None and size > budget_bytes:
@@ -154,12 +159,35 @@ class LlamaForCausalLM(nn.Module):
                 budget_bytes = None if budget_bytes is None else budget_bytes - size
         return packed
 
+    def hold_quantized_weights(self, tensor_types: dict[str, int]) -> set[str]:
+        """Switches each projection, the LM head and the embedding to hold its checkpoint tensors'
+        GGUF blocks where those tensors (all the parts of a merged one) share one type the
+        quantized ops run; tensor_types maps checkpoint names (without "model.") to GGML type
+        ids. Returns the names the checkpoint must then give as raw blocks (uint8 [rows, row
+        bytes]); the others load as floats. Granite's o_proj and down_proj stay float: their
+        residual_multiplier is folded into the weights."""
+        raw = set()
+        folded = ("o_proj", "down_proj") if self.config.residual_multiplier != 1.0 else ()
+        for module_name, module in self.named_modules():
+            if not isinstance(module, (Linear, LMHead, VocabEmbedding)):
+                continue
+            parent, _, leaf = module_name.rpartition(".")
+            names = [f"{module_name}.weight"]
+            if leaf in _MERGED_PARTS and names[0] not in tensor_types:
+                names = [f"{parent}.{part}.weight" for part in _MERGED_PARTS[leaf]]
+            types = {tensor_types.get(name) for name in names}
+            if len(types) != 1 or leaf in folded:
+                continue
+            ggml_type = types.pop()
+            if ggml_type is not None and module.hold_quantized(ggml_type):
+                raw.update(names)
+        return raw
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors, named as in Hugging Face checkpoints, into the parameters
         (converting dtype); q/k/v and gate/up go into their slices of the merged weights. Raises
         ValueError for an unknown name, a wrong shape, or a parameter the checkpoint lacks."""
-        merged_parts = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        merged_parts = {part: (merged, i) for merged, parts in _MERGED_PARTS.items() for i, part in enumerate(parts)}
         expected = {name for name, _ in self.named_parameters()}
         loaded = set()
         modules = dict(self.named_modules())

@@ -6,7 +6,7 @@ from kvflow.ops.attention import paged_attention
 from kvflow.ops.cache import copy_blocks, reshape_and_cache
 from kvflow.ops.embedding import embedding
 from kvflow.ops.linear import linear, pack_linear_weight, packed_linear, packed_silu_and_mul, small_linear
-from kvflow.ops.quantized import quantized_linear
+from kvflow.ops.quantized import quantized_embedding, quantized_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm, rms_norm_add
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
 from kvflow.ops.sampling import apply_penalties, apply_sampling_filters, compute_logprobs, sample, scale_logits
@@ -49,6 +49,7 @@ __all__ = [
     "packed_linear",
     "packed_silu_and_mul",
     "paged_attention",
+    "quantized_embedding",
     "quantized_linear",
     "reshape_and_cache",
     "rms_norm",

@@ -81,8 +81,12 @@ inline void dequantize_block(QuantFormat format, const uint8_t* block, float* ou
 }
 
 // Activation rows quantized for the products: row r's block i = r * blocks + b is
-// q[i * 32 ...] (int8) times scale_sum[2i]; scale_sum[2i + 1] is the block's exact float32 sum
-// of the original values (Q4_1's offsets m multiply it). Side by side, one 8-byte load reads both.
+// q[i * 32 ...] (int8) times scale_sum[2i]; scale_sum[2i + 1] is the sum of the block's quantized
+// values, scale times the sum of q (Q4_1's offsets m multiply it). Side by side, one 8-byte load
+// reads both. The quantized sum, not the exact one: then a Q4_1 product is the dot product of the
+// weights w = d q + m with the quantized activations, and its error sums w_j (x'_j - x_j), whose
+// weights are centred on zero; with the exact sum it would sum d q_j (x'_j - x_j), whose weights
+// are not, and the product's error nearly doubles.
 struct QuantizedRows {
   const int8_t* q;
   const float* scale_sum;
@@ -91,19 +95,22 @@ struct QuantizedRows {
 
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that
 // |x - scale * q| <= scale / 2 for every value (the bound the tests hold the products to).
+// q is computed as 127 x / max|x|, not x times a rounded reciprocal: bfloat16 activations land
+// exactly halfway between two codes often, and a rounded reciprocal would break all of a
+// block's ties the same way, a bias that grows through the layers. 127 x is exact for a
+// bfloat16 x, so a tie stays a tie and rounds to even.
 inline void quantize_activation_block(const float* x, int8_t* q, float* scale_sum) {
-  float amax = 0.f, total = 0.f;
-  for (int j = 0; j < kQuantBlock; ++j) {
-    amax = std::max(amax, std::fabs(x[j]));
-    total += x[j];
-  }
+  float amax = 0.f;
+  for (int j = 0; j < kQuantBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float d = amax / 127.f;
-  const float inverse = d > 0.f ? 1.f / d : 0.f;
+  int code_sum = 0;
   for (int j = 0; j < kQuantBlock; ++j) {
-    q[j] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inverse))));
+    const float code = amax > 0.f ? std::nearbyint(x[j] * 127.f / amax) : 0.f;
+    q[j] = int8_t(std::max(-127.f, std::min(127.f, code)));
+    code_sum += q[j];
   }
   scale_sum[0] = d;
-  scale_sum[1] = total;
+  scale_sum[1] = d * float(code_sum);
 }
 
 }  // namespace kvflow::cpu

@@ -1,0 +1,118 @@
+// quantized_embedding on the CPU: the embedding lookup on a table kept in GGUF blocks. Every
+// token id is range-checked before any row is written; each row is then dequantized block by
+// block (and scaled, where asked) into out's dtype, tokens split across threads.
+#include <ATen/Parallel.h>
+
+#include "kvflow/cpu/gguf_blocks.h"
+#include "op_checks.h"
+#include "op_node.h"
+#include "ops.h"
+
+namespace kvflow::cpu {
+namespace {
+
+struct QuantizedEmbeddingGeometry {
+  QuantFormat format;
+  int64_t num_tokens, vocab_size, row_bytes, hidden;
+  DType out_dtype;
+};
+
+QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, const at::Tensor& token_ids,
+                                                     const at::Tensor& weight, int64_t ggml_type) {
+  const int format = quant_format_of(ggml_type);
+  TORCH_CHECK(format >= 0, "quantized_embedding reads GGML types Q4_0 (2), Q4_1 (3) and Q8_0 (8), got type ",
+              ggml_type);
+  check_device_type(weight, "weight", c10::DeviceType::CPU);
+  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [vocab_size, row bytes] "
+              "tensor, got shape ", weight.sizes());
+  const int64_t block_bytes = quant_block_bytes(QuantFormat(format)), row_bytes = weight.size(1);
+  TORCH_CHECK(row_bytes % block_bytes == 0, "weight rows of GGML type ", ggml_type, " are whole ", block_bytes,
+              "-byte blocks, got ", row_bytes, " bytes a row");
+  const DType out_dtype = kernel_dtype(out, "out");
+  check_device_type(out, "out", c10::DeviceType::CPU);
+  check_index_tensor(token_ids, "token_ids", at::kLong, weight);
+  TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
+  const int64_t hidden = row_bytes / block_bytes * kQuantBlock;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),
+              "out must be a contiguous [", token_ids.size(0), ", ", hidden, "] tensor, got shape ", out.sizes());
+  return {QuantFormat(format), token_ids.size(0), weight.size(0), row_bytes, hidden, out_dtype};
+}
+
+void check_token_ids(const int64_t* ids, int64_t num_tokens, int64_t vocab_size) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, "token_ids[", t, "] = ", ids[t], " is not a token id in [0, ",
+                vocab_size, ")");
+  }
+}
+
+template <typename T>
+void dequantize_rows(T* out, const int64_t* ids, const uint8_t* weight, const QuantizedEmbeddingGeometry& g,
+                     float scale, int64_t begin, int64_t end) {
+  const int64_t block_bytes = quant_block_bytes(g.format);
+  float values[kQuantBlock];
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* row = weight + ids[t] * g.row_bytes;
+    T* dst = out + t * g.hidden;
+    for (int64_t b = 0; b < g.hidden / kQuantBlock; ++b) {
+      dequantize_block(g.format, row + b * block_bytes, values);
+      for (int64_t j = 0; j < kQuantBlock; ++j) dst[b * kQuantBlock + j] = from_float<T>(values[j] * scale);
+    }
+  }
+}
+
+void embed_tokens(const at::Tensor& out, const int64_t* ids, const at::Tensor& weight,
+                  const QuantizedEmbeddingGeometry& g, float scale, int64_t begin, int64_t end) {
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  switch (g.out_dtype) {
+    case DType::kFloat32:
+      return dequantize_rows(out.data_ptr<float>(), ids, w, g, scale, begin, end);
+    case DType::kFloat16:
+      return dequantize_rows(reinterpret_cast<float16*>(out.data_ptr()), ids, w, g, scale, begin, end);
+    case DType::kBFloat16:
+      return dequantize_rows(reinterpret_cast<bfloat16*>(out.data_ptr()), ids, w, g, scale, begin, end);
+  }
+}
+
+class QuantizedEmbeddingNode final : public OpNode {
+ public:
+  explicit QuantizedEmbeddingNode(const NodeArgs& args)
+      : out_(args.tensor(0)), token_ids_(args.tensor(1)), weight_(args.tensor(2)),
+        geometry_(check_quantized_embedding(out_, token_ids_, weight_, args.integer(0))), scale_(float(args.real(0))) {}
+
+  bool reads_step() const override { return true; }
+
+  void prepare(StepContext&) override {
+    check_token_ids(token_ids_.data_ptr<int64_t>(), geometry_.num_tokens, geometry_.vocab_size);
+  }
+
+  int64_t units(int) const override { return geometry_.num_tokens; }
+
+  void run(int, const Turn& turn) override {
+    const Range tokens = share_of(geometry_.num_tokens, 1, turn.team, turn.tid);
+    embed_tokens(out_, token_ids_.data_ptr<int64_t>(), weight_, geometry_, scale_, tokens.begin, tokens.end);
+  }
+
+ private:
+  at::Tensor out_, token_ids_, weight_;
+  QuantizedEmbeddingGeometry geometry_;
+  float scale_;
+};
+
+}  // namespace
+
+std::unique_ptr<OpNode> make_quantized_embedding_node(const NodeArgs& args) {
+  return std::make_unique<QuantizedEmbeddingNode>(args);
+}
+
+void quantized_embedding(at::Tensor& out, const at::Tensor& token_ids, const at::Tensor& weight, int64_t ggml_type,
+                         double scale) {
+  const QuantizedEmbeddingGeometry g = check_quantized_embedding(out, token_ids, weight, ggml_type);
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  check_token_ids(ids, g.num_tokens, g.vocab_size);
+  at::parallel_for(0, g.num_tokens, std::max<int64_t>(1, 4096 / std::max<int64_t>(g.hidden, 1)),
+                   [&](int64_t begin, int64_t end) { embed_tokens(out, ids, weight, g, float(scale), begin, end); });
+}
+
+}  // namespace kvflow::cpu

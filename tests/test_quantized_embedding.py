@@ -1,0 +1,55 @@
+"""quantized_embedding (a table in GGUF Q4_0 / Q4_1 / Q8_0 blocks) against the rows the gguf package
+dequantizes, scaled and rounded once to the output dtype; bad ids and arguments get clear errors."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from conftest import random_blocks
+from kvflow import ops
+from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+
+TYPES = {GGML_Q4_0: GGMLQuantizationType.Q4_0, GGML_Q4_1: GGMLQuantizationType.Q4_1,
+         GGML_Q8_0: GGMLQuantizationType.Q8_0}
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,scale", [(1, 1.0), (9, 1.0), (40, 24.0), (0, 1.0)])
+def test_quantized_embedding_dequantizes_the_rows(ggml_type, dtype, num_tokens, scale):
+    rng = np.random.default_rng(ggml_type * 10 + num_tokens)
+    table = random_blocks(ggml_type, 500, 576, rng)
+    ids = torch.from_numpy(rng.integers(0, 500, num_tokens))
+    ids[: num_tokens // 2] = 499  # repeats and the last row
+    rows = quants.dequantize(table, TYPES[ggml_type])[ids.numpy()]
+    expected = (torch.from_numpy(rows).float() * scale).to(dtype)
+    actual = ops.quantized_embedding(ids, torch.from_numpy(table), ggml_type, scale=scale, out_dtype=dtype)
+    assert actual.dtype == dtype and actual.shape == (num_tokens, 576)
+    assert torch.equal(actual, expected)
+
+
+def test_an_id_outside_the_table_is_refused_before_any_row_is_written():
+    table = torch.from_numpy(random_blocks(GGML_Q4_1, 50, 64, np.random.default_rng(0)))
+    out = torch.full((3, 64), 7.0)
+    for bad in (50, -1):
+        with pytest.raises(RuntimeError, match=rf"token_ids\[2\] = {bad} is not a token id in \[0, 50\)"):
+            ops.quantized_embedding(torch.tensor([1, 2, bad]), table, GGML_Q4_1, out=out)
+        assert torch.all(out == 7.0)
+
+
+def test_bad_arguments_are_named():
+    table = torch.zeros(5, 2 * BLOCK_BYTES[GGML_Q8_0], dtype=torch.uint8)
+    ids = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), Q4_1 \(3\) and Q8_0 \(8\), got type 14"):
+        ops.quantized_embedding(ids, table, 14)
+    with pytest.raises(RuntimeError, match="weight must be uint8"):
+        ops.quantized_embedding(ids, table.float(), GGML_Q8_0)
+    with pytest.raises(RuntimeError, match="whole 34-byte blocks, got 67 bytes a row"):
+        ops.quantized_embedding(ids, table[:, :67].contiguous(), GGML_Q8_0)
+    with pytest.raises(RuntimeError, match="token_ids must be Long"):
+        ops.quantized_embedding(ids.int(), table, GGML_Q8_0)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[2, 64\] tensor"):
+        ops.quantized_embedding(ids, table, GGML_Q8_0, out=torch.empty(2, 65))
+    with pytest.raises(RuntimeError, match="out must be float32, float16 or bfloat16"):
+        ops.quantized_embedding(ids, table, GGML_Q8_0, out=torch.empty(2, 64, dtype=torch.int32))
