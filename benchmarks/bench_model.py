@@ -1,13 +1,16 @@
 """One request on the embedded default model (or --model): kvflow against Hugging Face
 transformers on the same weights, measured in the same run.
 
-- load time: from the file to a model ready to run (kvflow: GGUF read, dequantize, fill; HF: the
-  same through from_pretrained(gguf_file=...));
+- load time: from the file to a model ready to run (kvflow: GGUF read, fill; HF: dequantize and
+  fill through from_pretrained(gguf_file=...));
+- kvflow with the file's quantized blocks (the default) and with --dequantize-weights;
 - TTFT: a 128-token prompt to its first greedy token (the prompt in one forward pass);
 - TPOT: the mean time per token over the following 127 greedy tokens (128 in all);
 - the machine's floor for decode at batch 1: the bytes of the weights as kvflow holds them,
   divided by the read bandwidth measured here (a sum over a 512 MB tensor). Every decode step
-  reads every weight once (the tied embedding once, as the LM head), so no TPOT can beat it.
+  reads every weight once (the tied embedding once, as the LM head), so no TPOT can beat it;
+- with --rss, the resident memory of a process holding the loaded model, quantized and
+  dequantized, over that of the same process before loading (each in a fresh process).
 
     python benchmarks/bench_model.py                    # kvflow bf16 + fp32 vs HF fp32 + bf16
     python benchmarks/bench_model.py --markdown docs/bench_model.md
@@ -16,6 +19,8 @@ transformers on the same weights, measured in the same run.
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -35,9 +40,31 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return ids[:length]
 
 
-def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, repeat: int) -> dict:
+WEIGHTS = {"quantized": False, "dequantized": True}  # -> dequantize_weights
+
+_RSS_PROBE = """
+import sys, torch
+from kvflow.loader import load_model
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
+before = rss()
+lm = load_model(sys.argv[1] or None, getattr(torch, sys.argv[2]), dequantize_weights=sys.argv[3] == "1")
+print(rss() - before, sum(p.nbytes for p in lm.model.parameters()))
+"""
+
+
+def loaded_rss(model: str | None, dtype: str, dequantize: bool) -> tuple[int, int]:
+    """(resident bytes a fresh process gains by loading the model, bytes of its parameters)."""
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, model or "", dtype, "1" if dequantize else "0"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return int(out[-2]), int(out[-1])
+
+
+def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, repeat: int,
+               dequantize: bool = False) -> dict:
     """One request at a time through the engine (prefix caching off, so every run prefills)."""
-    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, kv_cache_memory=64 << 20)
+    llm = LLM(model, dtype=dtype, enable_prefix_caching=False, kv_cache_memory=64 << 20,
+              dequantize_weights=dequantize)
     ids = prompt_ids(llm.tokenizer, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
@@ -94,7 +121,10 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kvflow-dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    parser.add_argument("--kvflow-weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS),
+                        help="a GGUF file's quantized weights kept in their blocks, or dequantized to the dtype")
     parser.add_argument("--hf-dtypes", nargs="*", default=["float32", "bfloat16"], choices=list(DTYPES))
+    parser.add_argument("--rss", action="store_true", help="also the resident memory of the loaded model")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -102,8 +132,11 @@ def main():
     bandwidth = read_bandwidth("cpu")
     results = {}
     for name in args.kvflow_dtypes:
-        results[f"kvflow {name}"] = kvflow_run(args.model, name, args.prompt_tokens, args.new_tokens, args.repeat)
-        print(f"kvflow {name}: {results[f'kvflow {name}']}", flush=True)
+        for weights in args.kvflow_weights:
+            label = f"kvflow {name}, {weights} weights"
+            results[label] = kvflow_run(args.model, name, args.prompt_tokens, args.new_tokens, args.repeat,
+                                        WEIGHTS[weights])
+            print(f"{label}: {results[label]}", flush=True)
     tokenizer = load_model(args.model, torch.bfloat16).tokenizer
     ids = prompt_ids(tokenizer, args.prompt_tokens)
     for name in args.hf_dtypes:
@@ -120,19 +153,28 @@ def main():
     for name, r in results.items():
         lines.append(f"| {name} | {r['load']:.2f} | {r['ttft'] * 1e3:.1f} | {r['tpot'] * 1e3:.2f} | "
                      f"{1 / r['tpot']:.1f} |")
-    if "kvflow bfloat16" in results:
-        ours = results["kvflow bfloat16"]
+    for name, ours in results.items():
+        if "floor_ratios" not in ours:
+            continue
         floor = ours["weight_bytes"] / (bandwidth * 1e9)
         ratios = ours["floor_ratios"]
-        lines += ["", f"decode floor: {ours['weight_bytes'] / 1e6:.0f} MB of bf16 weights / {bandwidth:.1f} GB/s = "
-                      f"{floor * 1e3:.2f} ms; kvflow bf16 TPOT = {ours['tpot'] / floor:.2f}x the floor",
-                  f"each run against the mean of the bandwidths measured just before and after it: "
-                  f"{statistics.median(ratios):.2f}x the "
-                  f"floor (median of {len(ratios)}; {min(ratios):.2f}-{max(ratios):.2f})"]
-        if "HF float32" in results:
-            hf = results["HF float32"]
-            lines.append(f"kvflow bf16 vs HF float32: TPOT {ours['tpot'] / hf['tpot']:.2f}x, "
-                         f"TTFT {ours['ttft'] / hf['ttft']:.2f}x, load {ours['load'] / hf['load']:.2f}x")
+        lines += ["", f"{name}: decode floor {ours['weight_bytes'] / 1e6:.0f} MB of weights / {bandwidth:.1f} GB/s = "
+                      f"{floor * 1e3:.2f} ms; TPOT = {ours['tpot'] / floor:.2f}x the floor; each run against the "
+                      f"mean of the bandwidths measured just before and after it: {statistics.median(ratios):.2f}x "
+                      f"(median of {len(ratios)}; {min(ratios):.2f}-{max(ratios):.2f})"]
+    quantized, dequantized = results.get("kvflow bfloat16, quantized weights"), results.get("kvflow bfloat16, dequantized weights")
+    if quantized and dequantized:
+        lines.append(f"bf16, quantized vs dequantized weights: TPOT {quantized['tpot'] / dequantized['tpot']:.2f}x, "
+                     f"TTFT {quantized['ttft'] / dequantized['ttft']:.2f}x")
+    if quantized and "HF float32" in results:
+        hf = results["HF float32"]
+        lines.append(f"kvflow bf16 (quantized weights) vs HF float32: TPOT {quantized['tpot'] / hf['tpot']:.2f}x, "
+                     f"TTFT {quantized['ttft'] / hf['ttft']:.2f}x, load {quantized['load'] / hf['load']:.2f}x")
+    if args.rss:
+        lines += ["", "| kvflow bfloat16 weights | parameters (MB) | RSS gained by loading (MB) |", "|---|---:|---:|"]
+        for weights, dequantize in WEIGHTS.items():
+            gained, parameter_bytes = loaded_rss(args.model, "bfloat16", dequantize)
+            lines.append(f"| {weights} | {parameter_bytes / 1e6:.1f} | {gained / 1e6:.1f} |")
     print("\n" + "\n".join(lines))
     write_markdown(args.markdown, lines)
 

@@ -343,10 +343,12 @@ def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
+def as_gguf(model, path: Path, arch: str = "qwen2", quantized: dict[str, str] | None = None) -> Path:
     """The checkpoint as llama.cpp's converter writes a qwen2, qwen3, granite, gemma2 or gemma3
     GGUF: its metadata keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes
-    them for llama and granite, and so does this), Gemma's (1 + w) norms stored with the 1 added."""
+    them for llama and granite, and so does this), Gemma's (1 + w) norms stored with the 1 added.
+    quantized: Hugging Face name -> GGML type name of the tensors to store in that type's blocks
+    (quantized by the gguf package, as llama-quantize would)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -408,6 +410,10 @@ def as_gguf(model, path: Path, arch: str = "qwen2") -> Path:
                          "lm_head.weight": "output.weight"}[name]
         if (gemma or arch == "gemma") and name.endswith("norm.weight"):
             tensor = tensor + 1
+        if quantized and name in quantized:
+            ggml_type = gguf.GGMLQuantizationType[quantized[name]]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), ggml_type), raw_dtype=ggml_type)
+            continue
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -498,3 +504,107 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
             output.append(sampled.token_id)
             computed += len(new_tokens)
             new_tokens = output[-1:]
+
+
+# kvflow's quantized products see their inputs as int8 per block of 32 (scale max|x| / 127, ties to
+# even), and so does the reference below, through hooks on transformers' projections. What remains
+# is float32 summation order, and the activation codes it flips where a value lies within rounding
+# of a half step; a flip moves a product by a whole step, and the layers carry it on. Measured over
+# these runs: the median difference of the top-20 logprobs 0.002-0.011, the largest 0.02-0.11 (it
+# varies with the threads' split of the work). Without the hooks the int8 rounding alone gives a
+# median of 0.018-0.027; a wrong row order or block gives whole units.
+QUANTIZED_LOGPROB_MEDIAN = 0.02
+QUANTIZED_LOGPROB_ATOL = 0.25
+QUANTIZED_NEAR_TIE = 0.25
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 values (along the last dimension) rounded to the int8 grid of its
+    own max|x| / 127, ties to even: the activations kvflow's quantized products multiply."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(blocks * 127 / torch.where(amax > 0, amax, 1)), 0).clamp(-127, 127)
+    return (codes * (amax / 127)).reshape(x.shape).to(x.dtype)
+
+
+def quantization_plan(config, arch: str) -> dict[str, str]:
+    """Hugging Face name -> GGML type for a file mixing the types kvflow keeps quantized: Q4_0
+    attention inputs, Q8_0 outputs, Q4_1 MLP inputs, a Q4_0 embedding and a Q8_0 LM head; layer 1's
+    k_proj in Q8_0 (a q|k|v of mixed types, as llama.cpp's mixed files have, stays float)."""
+    plan = {"model.embed_tokens.weight": "Q4_0", "lm_head.weight": "Q8_0"}
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        plan |= {prefix + "self_attn.q_proj.weight": "Q4_0", prefix + "self_attn.k_proj.weight": "Q4_0",
+                 prefix + "self_attn.v_proj.weight": "Q4_0", prefix + "self_attn.o_proj.weight": "Q8_0",
+                 prefix + "mlp.gate_proj.weight": "Q4_1", prefix + "mlp.up_proj.weight": "Q4_1",
+                 prefix + "mlp.down_proj.weight": "Q8_0"}
+    plan["model.layers.1.self_attn.k_proj.weight"] = "Q8_0"
+    return plan
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "smollm3"])
+def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, tokenizer, tmp_path):
+    """A GGUF file with Q4_0, Q4_1 and Q8_0 projections (q/k/v biases in Qwen2; q/k rows permuted
+    as llama.cpp stores them in SmolLM3), an untied Q8_0 LM head and a Q4_0 embedding: kvflow keeps
+    those blocks and runs them through its quantized ops; transformers runs the same blocks
+    dequantized by the gguf package, each projection's input rounded to int8 blocks as kvflow's
+    products round it. Greedy tokens agree wherever transformers' top two are not close, and every
+    step's top-20 logprobs stay within QUANTIZED_LOGPROB_ATOL, their median within
+    QUANTIZED_LOGPROB_MEDIAN."""
+    from kvflow.layers import Linear
+    from kvflow.loader.gguf_file import gguf_tensor_types
+
+    if arch == "qwen2":
+        reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied=False, window=None)
+    else:
+        config = SmolLM3Config(**SHAPE, pad_token_id=None, tie_word_embeddings=False)
+        reference = save_randomised(SmolLM3ForCausalLM(config), tmp_path / "hf", tokenizer)
+    plan = quantization_plan(reference.config, arch)
+    reader = open_gguf(str(as_gguf(reference, tmp_path / f"{arch}.gguf", arch, quantized=plan)))
+    with torch.no_grad():  # transformers on the weights as the file stores them
+        parameters = dict(reference.named_parameters())
+        for name, type_name in plan.items():
+            weight = parameters[name]
+            blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
+            weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])))
+    float_qkv = [f"model.layers.1.self_attn.{part}_proj" for part in "qkv"]  # mixed types: kvflow keeps it float
+    kept = {name.removesuffix(".weight") for name in plan} - {"model.embed_tokens", *float_qkv}
+    for name, module in reference.named_modules():  # and on the activations as kvflow's products see them
+        if name in kept:
+            module.register_forward_pre_hook(lambda module, args: (int8_blocks(args[0]),))
+
+    config = config_from_gguf(reader)
+    graph = model_class(config.architecture)(config, torch.float32)
+    raw = graph.hold_quantized_weights(gguf_tensor_types(reader))
+    graph.load_weights(gguf_weights(reader, config, raw))
+    layers = graph.layers
+    assert layers[0].self_attn.qkv_proj.ggml_type == 2 and layers[1].self_attn.qkv_proj.ggml_type is None
+    assert [layers[0].self_attn.o_proj.ggml_type, layers[0].mlp.gate_up_proj.ggml_type,
+            layers[0].mlp.down_proj.ggml_type, graph.embed_tokens.ggml_type, graph.lm_head.ggml_type] == [8, 3, 8, 2, 8]
+    assert sum(isinstance(m, Linear) and m.ggml_type is not None for m in graph.modules()) == 4 * 4 - 1
+
+    runner = ModelRunner(graph.eval(), config, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
+    differences = []
+    for seed, length in enumerate([5, 40, 150]):
+        ids = random_ids(length, seed)
+        tokens, tops, margins = transformers_greedy(reference, ids)
+        output, new_tokens, computed = [], list(ids), 0
+        for step in range(STEPS):
+            request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
+                                       output_token_ids=output)
+            sampled = runner.execute([request])[0]
+            ours = dict(sampled.top_logprobs)
+            for token, logprob in tops[step].items():
+                if token in ours:
+                    differences.append(abs(ours[token] - logprob))
+                    assert differences[-1] < QUANTIZED_LOGPROB_ATOL, (length, step, token)
+            if sampled.token_id != tokens[step]:
+                assert margins[step] < QUANTIZED_NEAR_TIE, (length, step)
+                break
+            output.append(sampled.token_id)
+            computed += len(new_tokens)
+            new_tokens = [sampled.token_id]
+    median = float(np.median(differences))
+    print(f"{arch}: top-20 logprob differences: median {median:.4f}, largest {max(differences):.4f}")
+    assert median < QUANTIZED_LOGPROB_MEDIAN
