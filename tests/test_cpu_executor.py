@@ -374,10 +374,11 @@ def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
 
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 40])
 def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
     """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a
-    program: bit for bit what the ops give one by one, at every thread count."""
+    program: bit for bit what the ops give one by one, at every thread count; 40 rows take the
+    dequantized panels."""
     rng = np.random.default_rng(ggml_type + rows)
     first = torch.from_numpy(random_blocks(ggml_type, 96, 64, rng))
     second = torch.from_numpy(random_blocks(ggml_type, 200, 96, rng))

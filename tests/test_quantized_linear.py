@@ -1,10 +1,15 @@
 """quantized_linear (weights in GGUF Q4_0 / Q4_1 / Q8_0 blocks) against float64 products of the
 weights dequantized by the gguf package (llama.cpp's own Python reader), on every instruction set.
 
+Few rows:
 The op quantizes each block of 32 input values to int8 with scale s = max|x| / 127, so each value
 moves by at most s / 2. The product of output o and row r may then differ from the exact one by at
 most sum over blocks b of (s_b / 2) * sum_i |W[o, 32b + i]|; the tests allow that bound, plus
-float32 accumulation (1e-5 of sum |x| |W|) and the rounding of a bfloat16 output."""
+float32 accumulation (1e-5 of sum |x| |W|) and the rounding of a bfloat16 output.
+
+Many bfloat16 rows (32 and more) multiply the weights dequantized to bfloat16 instead, and the
+input as it is: each weight moves by at most 2^-9 of itself, so a product by at most
+2^-9 sum |x| |W|, plus the same accumulation and output rounding."""
 
 import numpy as np
 import pytest
@@ -82,6 +87,26 @@ def test_quantized_linear_dtypes_and_bias(ggml_type, input_dtype, out_dtype, cpu
     assert actual.dtype == out_dtype and actual.shape == (4, 75)
     error = np.abs(actual.double().numpy() - expected)
     assert (error <= allowed_error(x64, w, out_dtype, expected)).all()
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("rows", [32, 45])
+@pytest.mark.parametrize("in_features,out_features", [(32, 1), (96, 47), (576, 130)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, in_features, out_features, out_dtype,
+                                                         cpu_isa):
+    rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
+    weight = random_blocks(ggml_type, out_features, in_features, rng)
+    x = torch.randn(rows, in_features, dtype=torch.float64).bfloat16()
+    bias = torch.randn(out_features, dtype=torch.float64).bfloat16()
+    x64, w = x.double().numpy(), dequantized(weight, ggml_type)
+    expected = x64 @ w.T + bias.double().numpy()
+    actual = ops.quantized_linear(x, torch.from_numpy(weight), ggml_type, bias=bias, out_dtype=out_dtype)
+    bound = (2.0**-9 + 1e-5) * (np.abs(x64) @ np.abs(w).T) + 1e-6
+    if out_dtype == torch.bfloat16:
+        bound += np.abs(expected) * 2.0**-8
+    error = np.abs(actual.double().numpy() - expected)
+    assert (error <= bound * 1.001).all(), f"worst error / bound {np.max(error / bound):.3f}"
 
 
 def test_quantized_linear_rows_do_not_interfere(cpu_isa):

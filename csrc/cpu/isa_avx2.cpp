@@ -36,6 +36,9 @@ KernelTable make_avx2_table() {
   table.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_0>>;
   table.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_1>>;
   table.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ8_0>>;
+  table.dequantize_panel[int(QuantFormat::kQ4_0)] = dequantize_panel_avx2<QuantFormat::kQ4_0>;
+  table.dequantize_panel[int(QuantFormat::kQ4_1)] = dequantize_panel_avx2<QuantFormat::kQ4_1>;
+  table.dequantize_panel[int(QuantFormat::kQ8_0)] = dequantize_panel_avx2<QuantFormat::kQ8_0>;
   return table;
 }
 

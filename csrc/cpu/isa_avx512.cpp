@@ -32,6 +32,7 @@ KernelTable make_avx512_table() {
   // The GGUF block products: AVX2's integer kernels (no AVX-512 VNNI one yet).
   for (int format = 0; format < kNumQuantFormats; ++format) {
     table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
+    table.dequantize_panel[format] = avx2_kernels().dequantize_panel[format];
   }
   return table;
 }

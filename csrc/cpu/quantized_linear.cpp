@@ -1,6 +1,10 @@
-// quantized_linear on the CPU: the input rows are quantized to int8 per 32-block once, then each
-// thread takes a contiguous part of the output features and streams its weight rows, in their
-// GGUF blocks, front to back. As a program node, the same two halves are two phases.
+// quantized_linear on the CPU. Few rows (decode): the input rows are quantized to int8 per
+// 32-block once, then each thread takes a contiguous part of the output features and streams its
+// weight rows, in their GGUF blocks, front to back; as a program node, the same two halves are two
+// phases. Many bfloat16 rows (prefill, batched decode): each thread dequantizes one panel of
+// kPackedLinearPanel weight rows at a time into packed_linear's layout, in its own scratch, and
+// runs packed_linear's kernel on it for every row, so a weight is dequantized once per call, not
+// once per row.
 #include <ATen/Parallel.h>
 
 #include <string>
@@ -19,6 +23,8 @@ namespace {
 
 // Output features a thread takes at least: fewer would not pay for the hand-off.
 constexpr int64_t kFeaturesPerTask = 64;
+// Rows from which bfloat16 input goes through dequantized panels (see docs/benchmarks.md).
+constexpr int64_t kPanelRows = 32;
 
 void check_float_or_bfloat16(const at::Tensor& t, const char* name) {
   check_device_type(t, name, c10::DeviceType::CPU);
@@ -30,6 +36,9 @@ struct QuantizedLinearGeometry {
   int format;
   int64_t rows, blocks, row_bytes, out_features;
   bool out_is_float32;
+  bool panels;  // the many-row path
+  int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
+  int64_t panel_elems() const { return blocks * kQuantBlock * kPackedLinearPanel; }
 };
 
 QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -58,7 +67,30 @@ QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
                 bias->sizes());
   }
-  return {format, rows, blocks, row_bytes, out_features, out.scalar_type() == at::kFloat};
+  const bool panels = rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
+  return {format, rows, blocks, row_bytes, out_features, out.scalar_type() == at::kFloat, panels};
+}
+
+// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
+void multiply_panels(const QuantizedLinearGeometry& g, at::Tensor& out, const at::Tensor& input,
+                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch) {
+  const KernelTable& kernels = active_kernels();
+  const int64_t element = g.out_is_float32 ? 4 : 2;
+  for (int64_t p = begin; p < end; ++p) {
+    kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
+    const int64_t first = p * kPackedLinearPanel;
+    kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
+                          /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
+                          input.stride(0), scratch, bias == nullptr ? nullptr : bias + first, g.rows,
+                          g.blocks * kQuantBlock, g.out_features - first, 0, 1);
+  }
+}
+
+std::vector<bfloat16> bfloat16_values(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return {};
+  const at::Tensor b = t->to(at::kBFloat16).contiguous();
+  const auto* data = reinterpret_cast<const bfloat16*>(b.data_ptr());
+  return std::vector<bfloat16>(data, data + b.numel());
 }
 
 std::vector<float> float_values(const std::optional<at::Tensor>& t) {
@@ -110,14 +142,19 @@ class QuantizedLinearNode final : public OpNode {
   explicit QuantizedLinearNode(const NodeArgs& args)
       : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
         geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
-        quantized_(geometry_.rows, geometry_.blocks) {
+        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.blocks) {
     // The bias itself where it is float32 already (a model's tensor, read at every replay).
     if (args.optional_tensor(3).has_value()) bias_ = args.optional_tensor(3)->to(at::kFloat).contiguous();
+    bias_bfloat16_ = bfloat16_values(args.optional_tensor(3));
   }
 
   void configure(int64_t threads) override {
     kernel_ = active_kernels().quantized_linear[geometry_.format];
-    rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.blocks * kQuantBlock)));
+    if (geometry_.panels) {
+      panel_scratch_.assign(size_t(threads), std::vector<bfloat16>(size_t(geometry_.panel_elems())));
+    } else {
+      rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.blocks * kQuantBlock)));
+    }
   }
 
   int phases() const override { return 2; }
@@ -125,6 +162,14 @@ class QuantizedLinearNode final : public OpNode {
 
   void run(int phase, const Turn& turn) override {
     const QuantizedLinearGeometry& g = geometry_;
+    if (g.panels) {
+      if (phase == 0) return;
+      const Range panels = share_of(g.num_panels(), 1, turn.team, turn.tid);
+      multiply_panels(g, out_, input_, weight_.data_ptr<uint8_t>(),
+                      bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data(), panels.begin, panels.end,
+                      panel_scratch_[size_t(turn.tid)].data());
+      return;
+    }
     if (phase == 0) {
       const Range rows = share_of(g.rows, 1, turn.team, turn.tid);
       quantized_.quantize(input_, rows.begin, rows.end, rows_scratch_[size_t(turn.tid)].data());
@@ -140,8 +185,10 @@ class QuantizedLinearNode final : public OpNode {
   at::Tensor out_, input_, weight_;
   QuantizedLinearGeometry geometry_;
   at::Tensor bias_;  // float32, or undefined
+  std::vector<bfloat16> bias_bfloat16_;  // the many-row path's, or empty
   QuantizedInput quantized_;
   std::vector<std::vector<float>> rows_scratch_;
+  std::vector<std::vector<bfloat16>> panel_scratch_;
   QuantizedLinearFn kernel_ = nullptr;
 };
 
@@ -155,6 +202,15 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
                       const std::optional<at::Tensor>& bias) {
   const QuantizedLinearGeometry g = check_quantized_linear(out, input, weight, ggml_type, bias);
   if (g.rows == 0 || g.out_features == 0) return;
+  if (g.panels) {
+    const std::vector<bfloat16> bias_values = bfloat16_values(bias);
+    const bfloat16* b = bias_values.empty() ? nullptr : bias_values.data();
+    at::parallel_for(0, g.num_panels(), 1, [&](int64_t begin, int64_t end) {
+      std::vector<bfloat16> scratch(size_t(g.panel_elems()));
+      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data());
+    });
+    return;
+  }
   const std::vector<float> bias_values = float_values(bias);
   QuantizedInput x(g.rows, g.blocks);
   at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {

@@ -163,6 +163,13 @@ using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features]
                                    int64_t row_bytes, const float* bias,  // [out_features] or null
                                    int64_t rows, int64_t out_features, int64_t begin, int64_t end);
 
+// Panel `panel` of a weight in GGUF blocks of the entry's format (rows [out_features, row_bytes]),
+// dequantized and rounded to bfloat16 into pack_linear_weight's layout (without gate_up), zero
+// past the last feature: dst [row_bytes / block bytes * 16][kPackedLinearPanel][2]. quantized_linear
+// multiplies many rows with PackedLinearFn on these panels, one at a time.
+using DequantizePanelFn = void (*)(const uint8_t* weight, int64_t row_bytes, int64_t out_features, int64_t panel,
+                                   bfloat16* dst);
+
 struct KernelTable {
   const char* isa;
   RmsNormFn rms_norm[kNumDTypes];
@@ -183,6 +190,7 @@ struct KernelTable {
   SmallLinearFn small_linear[kNumDTypes];
   PackedLinearFn packed_linear;  // bfloat16 weights only
   QuantizedLinearFn quantized_linear[kNumQuantFormats];  // [QuantFormat]
+  DequantizePanelFn dequantize_panel[kNumQuantFormats];  // [QuantFormat]
 };
 
 // Index of a supported attention head_dim in KernelTable::paged_attention, or -1.

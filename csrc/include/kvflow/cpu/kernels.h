@@ -86,6 +86,9 @@ KernelTable make_kernel_table(const char* isa) {
   t.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_0>>;
   t.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_1>>;
   t.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ8_0>>;
+  t.dequantize_panel[int(QuantFormat::kQ4_0)] = dequantize_panel<QuantFormat::kQ4_0>;
+  t.dequantize_panel[int(QuantFormat::kQ4_1)] = dequantize_panel<QuantFormat::kQ4_1>;
+  t.dequantize_panel[int(QuantFormat::kQ8_0)] = dequantize_panel<QuantFormat::kQ8_0>;
   return t;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
@@ -84,6 +85,34 @@ struct QuantDotGeneric {
     for (int r = 0; r < kRows; ++r) sums[r] = acc[r];
   }
 };
+
+// DequantizePanelFn (kernel_table.h). Block by block down the panel's rows: each block's 16 pairs
+// land kPackedLinearPanel pairs apart, all within 3 KB that stay in L1 until the next block. The
+// values round to bfloat16 without from_float's NaN branch, so that the loop vectorises (a
+// block's scales are finite in any file a converter wrote).
+template <QuantFormat F>
+void dequantize_panel(const uint8_t* weight, int64_t row_bytes, int64_t out_features, int64_t panel, bfloat16* dst) {
+  constexpr int64_t kPanel = kPackedLinearPanel;
+  const int64_t bytes = quant_block_bytes(F), blocks = row_bytes / bytes;
+  const int64_t first = panel * kPanel, width = std::min<int64_t>(kPanel, out_features - first);
+  auto* pairs = reinterpret_cast<uint32_t*>(dst);  // pairs[k / 2][j]: values k and k + 1 of row j
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t* block_pairs = pairs + b * (kQuantBlock / 2) * kPanel;
+    for (int64_t j = 0; j < kPanel; ++j) {
+      float values[kQuantBlock] = {};
+      if (j < width) dequantize_block(F, weight + (first + j) * row_bytes + b * bytes, values);
+      uint32_t rounded[kQuantBlock];
+      for (int k = 0; k < kQuantBlock; ++k) {
+        uint32_t u;
+        std::memcpy(&u, &values[k], sizeof u);
+        rounded[k] = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      }
+      for (int64_t k2 = 0; k2 < kQuantBlock / 2; ++k2) {
+        block_pairs[k2 * kPanel + j] = rounded[2 * k2] | (rounded[2 * k2 + 1] << 16);
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace kvflow::cpu

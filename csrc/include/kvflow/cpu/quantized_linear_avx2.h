@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kvflow/cpu/gguf_blocks.h"
@@ -92,6 +93,79 @@ struct QuantDotAvx2 {
     }
   }
 };
+
+// An 8 x 8 matrix of 32-bit words, one row a register, transposed in place.
+inline void transpose_8x8_epi32(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// DequantizePanelFn (kernel_table.h) in AVX2: eight rows of a block at a time, each row's 32
+// values dequantized in registers, rounded to bfloat16 and paired (values k and k + 1 in one
+// 32-bit word), then the 8 rows x 16 pairs transposed so that each pair of the 8 rows is one
+// 32-byte store.
+template <QuantFormat F>
+void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out_features, int64_t panel,
+                           bfloat16* dst) {
+  using Dot = QuantDotAvx2<F>;
+  constexpr int64_t kPanel = kPackedLinearPanel;
+  const int64_t blocks = row_bytes / Dot::kBytes;
+  const int64_t first = panel * kPanel, width = std::min<int64_t>(kPanel, out_features - first);
+  auto* pairs = reinterpret_cast<uint32_t*>(dst);  // pairs[k / 2][j]: values k and k + 1 of row j
+  const __m256i round_bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  // Eight floats to bfloat16 bits (round to nearest even) in the low half of each 32-bit lane.
+  auto bfloat16_bits = [&](__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(round_bias, odd)), 16);
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint32_t* block_pairs = pairs + b * (kQuantBlock / 2) * kPanel;
+    for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
+      __m256i low[8], high[8];  // per row: pairs 0-7, pairs 8-15
+      for (int r = 0; r < 8; ++r) {
+        if (j0 + r >= width) {
+          low[r] = high[r] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* block = weight + (first + j0 + r) * row_bytes + b * Dot::kBytes;
+        const __m256i q = Dot::codes(block);
+        const __m128 dm = Dot::scales(block);
+        const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(dm));
+        const __m256 m = F == QuantFormat::kQ4_1 ? _mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1)))
+                                                 : _mm256_setzero_ps();
+        const __m128i q_low = _mm256_castsi256_si128(q), q_high = _mm256_extracti128_si256(q, 1);
+        const __m128i chunks[4] = {q_low, _mm_srli_si128(q_low, 8), q_high, _mm_srli_si128(q_high, 8)};
+        __m256i bits[4];
+        for (int c = 0; c < 4; ++c) {
+          bits[c] = bfloat16_bits(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(chunks[c])), d, m));
+        }
+        // packus interleaves the 128-bit lanes: 64-bit chunks come out as pairs 0-1, 4-5, 2-3, 6-7.
+        low[r] = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
+        high[r] = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[2], bits[3]), 0xD8);
+      }
+      transpose_8x8_epi32(low);
+      transpose_8x8_epi32(high);
+      for (int k2 = 0; k2 < 8; ++k2) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(block_pairs + k2 * kPanel + j0), low[k2]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(block_pairs + (k2 + 8) * kPanel + j0), high[k2]);
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace kvflow::cpu
