@@ -9,8 +9,6 @@ transformers on the same weights, measured in the same run.
 - the machine's floor for decode at batch 1: the bytes of the weights as kvflow holds them,
   divided by the read bandwidth measured here (a sum over a 512 MB tensor). Every decode step
   reads every weight once (the tied embedding once, as the LM head), so no TPOT can beat it;
-- with --rss, the resident memory of a process holding the loaded model, quantized and
-  dequantized, over that of the same process before loading (each in a fresh process).
 
     python benchmarks/bench_model.py                    # kvflow bf16 + fp32 vs HF fp32 + bf16
     python benchmarks/bench_model.py --markdown docs/bench_model.md
@@ -19,8 +17,6 @@ transformers on the same weights, measured in the same run.
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
@@ -41,24 +37,6 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 
 
 WEIGHTS = {"quantized": False, "dequantized": True}  # -> dequantize_weights
-
-_RSS_PROBE = """
-import sys, torch
-from kvflow.loader import load_model
-def rss():
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
-before = rss()
-lm = load_model(sys.argv[1] or None, getattr(torch, sys.argv[2]), dequantize_weights=sys.argv[3] == "1")
-print(rss() - before, sum(p.nbytes for p in lm.model.parameters()))
-"""
-
-
-def loaded_rss(model: str | None, dtype: str, dequantize: bool) -> tuple[int, int]:
-    """(resident bytes a fresh process gains by loading the model, bytes of its parameters)."""
-    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, model or "", dtype, "1" if dequantize else "0"],
-                         capture_output=True, text=True, check=True).stdout.split()
-    return int(out[-2]), int(out[-1])
-
 
 def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, repeat: int,
                dequantize: bool = False) -> dict:
@@ -124,7 +102,6 @@ def main():
     parser.add_argument("--kvflow-weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS),
                         help="a GGUF file's quantized weights kept in their blocks, or dequantized to the dtype")
     parser.add_argument("--hf-dtypes", nargs="*", default=["float32", "bfloat16"], choices=list(DTYPES))
-    parser.add_argument("--rss", action="store_true", help="also the resident memory of the loaded model")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -170,11 +147,6 @@ def main():
         hf = results["HF float32"]
         lines.append(f"kvflow bf16 (quantized weights) vs HF float32: TPOT {quantized['tpot'] / hf['tpot']:.2f}x, "
                      f"TTFT {quantized['ttft'] / hf['ttft']:.2f}x, load {quantized['load'] / hf['load']:.2f}x")
-    if args.rss:
-        lines += ["", "| kvflow bfloat16 weights | parameters (MB) | RSS gained by loading (MB) |", "|---|---:|---:|"]
-        for weights, dequantize in WEIGHTS.items():
-            gained, parameter_bytes = loaded_rss(args.model, "bfloat16", dequantize)
-            lines.append(f"| {weights} | {parameter_bytes / 1e6:.1f} | {gained / 1e6:.1f} |")
     print("\n" + "\n".join(lines))
     write_markdown(args.markdown, lines)
 

@@ -482,15 +482,10 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     graph = model_class(config.architecture)(config, torch.float32)
     graph.load_weights(gguf_weights(reader, config))
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
     for seed, length in enumerate(lengths):
         ids = random_ids(length, seed)
         tokens, tops, margins = transformers_greedy(reference, ids)
-        output, new_tokens, computed = [], list(ids), 0
-        for step in range(STEPS):
-            request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
-                                       output_token_ids=output)
-            sampled = runner.execute([request])[0]
+        for step, sampled in greedy_steps(runner, ids):
             if sampled.token_id != tokens[step]:
                 assert margins[step] < NEAR_TIE, (length, step)
                 break
@@ -501,9 +496,21 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
                     assert abs(ours[token] - logprob) < LOGPROB_ATOL, (length, step, token)
                 else:
                     assert logprob - min(tops[step].values()) < LOGPROB_ATOL, (length, step, token)
-            output.append(sampled.token_id)
-            computed += len(new_tokens)
-            new_tokens = output[-1:]
+
+
+def greedy_steps(runner: ModelRunner, ids: list[int]):
+    """(step, SampledToken) for STEPS greedy steps of the model alone: the prompt in one step, then
+    one token a step, each with its top-TOP logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
+    output, new_tokens, computed = [], list(ids), 0
+    for step in range(STEPS):
+        request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
+                                   output_token_ids=output)
+        sampled = runner.execute([request])[0]
+        yield step, sampled
+        output.append(sampled.token_id)
+        computed += len(new_tokens)
+        new_tokens = output[-1:]
 
 
 # kvflow's quantized products see their inputs as int8 per block of 32 (scale max|x| / 127, ties to
@@ -584,16 +591,11 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, to
     assert sum(isinstance(m, Linear) and m.ggml_type is not None for m in graph.modules()) == 4 * 4 - 1
 
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
     differences = []
     for seed, length in enumerate([5, 40, 150]):
         ids = random_ids(length, seed)
         tokens, tops, margins = transformers_greedy(reference, ids)
-        output, new_tokens, computed = [], list(ids), 0
-        for step in range(STEPS):
-            request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
-                                       output_token_ids=output)
-            sampled = runner.execute([request])[0]
+        for step, sampled in greedy_steps(runner, ids):
             ours = dict(sampled.top_logprobs)
             for token, logprob in tops[step].items():
                 if token in ours:
@@ -602,9 +604,6 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, to
             if sampled.token_id != tokens[step]:
                 assert margins[step] < QUANTIZED_NEAR_TIE, (length, step)
                 break
-            output.append(sampled.token_id)
-            computed += len(new_tokens)
-            new_tokens = [sampled.token_id]
     median = float(np.median(differences))
     print(f"{arch}: top-20 logprob differences: median {median:.4f}, largest {max(differences):.4f}")
     assert median < QUANTIZED_LOGPROB_MEDIAN

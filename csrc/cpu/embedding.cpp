@@ -8,16 +8,10 @@
 #include "op_checks.h"
 #include "op_node.h"
 #include "ops.h"
+#include "token_ids.h"
 
 namespace kvflow::cpu {
 namespace {
-
-void check_token_ids(const int64_t* ids, int64_t num_tokens, int64_t vocab_size) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, "token_ids[", t, "] = ", ids[t], " is not a token id in [0, ",
-                vocab_size, ")");
-  }
-}
 
 template <typename T>
 void scale_row(T* out, const T* row, int64_t width, float scale) {

@@ -7,6 +7,7 @@
 #include "op_checks.h"
 #include "op_node.h"
 #include "ops.h"
+#include "token_ids.h"
 
 namespace kvflow::cpu {
 namespace {
@@ -38,13 +39,6 @@ QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, cons
   TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),
               "out must be a contiguous [", token_ids.size(0), ", ", hidden, "] tensor, got shape ", out.sizes());
   return {QuantFormat(format), token_ids.size(0), weight.size(0), row_bytes, hidden, out_dtype};
-}
-
-void check_token_ids(const int64_t* ids, int64_t num_tokens, int64_t vocab_size) {
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, "token_ids[", t, "] = ", ids[t], " is not a token id in [0, ",
-                vocab_size, ")");
-  }
 }
 
 template <typename T>

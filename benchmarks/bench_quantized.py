@@ -1,0 +1,129 @@
+"""A GGUF model with its quantized weights kept in their blocks (the default) against the same file
+dequantized to bf16 (--dequantize-weights), both engines in one process, measured in turns A B A B
+so that the machine's drift falls on both alike; the ratios are per pair.
+
+- TTFT: a 128-token prompt to its first greedy token;
+- TPOT: the mean time per token over the following 127 greedy tokens (128 in all);
+- the decode floor: the bytes of the weights each engine holds (the LM head once) over the read
+  bandwidth measured right before and right after the pair (a sum over a 512 MB tensor);
+- offline: 64 prompts of 128 random tokens at once, 128 tokens out each, output tokens per second
+  of wall time (prefill included);
+- the resident memory a fresh process gains by loading each.
+
+    python benchmarks/bench_quantized.py                      # the embedded Q4_1 model
+    python benchmarks/bench_quantized.py --model model.Q8_0.gguf --rounds 5
+"""
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvflow import LLM, SamplingParams, platform
+from kvflow.loader import resolve_model_path
+from timing import read_bandwidth, write_markdown
+
+_RSS_PROBE = """
+import sys, torch
+from kvflow.loader import load_model
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
+before = rss()
+lm = load_model(sys.argv[1] or None, torch.bfloat16, dequantize_weights=sys.argv[2] == "1")
+print(rss() - before)
+"""
+
+
+def loaded_rss(model: str | None, dequantize: bool) -> int:
+    """Resident bytes a fresh process gains by loading the model (weights, tokenizer, mapped file)."""
+    out = subprocess.run([sys.executable, "-c", _RSS_PROBE, model or "", "1" if dequantize else "0"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return int(out[-1])
+
+
+def one_request(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    metrics = llm.generate([ids], params, use_tqdm=False)[0].metrics
+    return metrics.ttft, metrics.tpot
+
+
+def offline(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded Q4_1 model)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--offline-requests", type=int, default=64, help="0 to skip the offline figure")
+    parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    args = parser.parse_args()
+
+    engines = {}
+    for name, dequantize in (("quantized", False), ("bf16", True)):
+        engines[name] = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=1 << 30,
+                            dequantize_weights=dequantize)
+    weight_bytes = {name: sum(p.nbytes for p in llm.engine.runner.model.parameters())
+                    for name, llm in engines.items()}
+    rng = random.Random(0)
+    vocab = engines["quantized"].engine.model_config.vocab_size
+    ids = [rng.randrange(100, vocab) for _ in range(128)]
+    prompts = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(args.offline_requests)]
+    for llm in engines.values():  # warm-up: programs captured, pages touched
+        one_request(llm, ids, 8)
+        if prompts:
+            offline(llm, prompts[:8], 8)
+
+    rows = []
+    for round_ in range(args.rounds):
+        before = read_bandwidth("cpu")
+        figures = {name: one_request(llm, ids, 128) for name, llm in engines.items()}
+        bandwidth = (before + read_bandwidth("cpu")) / 2
+        throughput = {name: offline(llm, prompts, 128) if prompts else float("nan") for name, llm in engines.items()}
+        row = {"round": round_ + 1, "bandwidth": bandwidth}
+        for name in engines:
+            floor = weight_bytes[name] / (bandwidth * 1e9)
+            row[name] = {"ttft": figures[name][0], "tpot": figures[name][1], "floor": floor,
+                         "offline": throughput[name]}
+        rows.append(row)
+        print(row, flush=True)
+
+    cpu = platform.current()
+    lines = [
+        f"{resolve_model_path(args.model).rsplit('/', 1)[-1]}: quantized weights ({weight_bytes['quantized'] / 1e6:.0f} MB) "
+        f"against the same dequantized to bf16 ({weight_bytes['bf16'] / 1e6:.0f} MB), one process, in turns; "
+        f"{cpu.model} ({cpu.isa} kernels), {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "",
+        "| round | GB/s | quantized TTFT (ms) | bf16 TTFT (ms) | TTFT ratio | quantized TPOT (ms) | bf16 TPOT (ms) "
+        "| TPOT ratio | quantized / its floor | bf16 / its floor | quantized offline tok/s | bf16 offline tok/s "
+        "| offline ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        q, b = row["quantized"], row["bf16"]
+        lines.append(f"| {row['round']} | {row['bandwidth']:.1f} | {q['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | "
+                     f"{q['ttft'] / b['ttft']:.2f} | {q['tpot'] * 1e3:.2f} | {b['tpot'] * 1e3:.2f} | "
+                     f"{q['tpot'] / b['tpot']:.2f} | {q['tpot'] / q['floor']:.2f} | {b['tpot'] / b['floor']:.2f} | "
+                     f"{q['offline']:.0f} | {b['offline']:.0f} | {q['offline'] / b['offline']:.2f} |")
+
+    summary = {key: statistics.median(row["quantized"][key] / row["bf16"][key] for row in rows)
+               for key in ("ttft", "tpot", "offline")}
+    floor_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor"] for row in rows)
+    lines += ["", f"medians: quantized / bf16 TTFT {summary['ttft']:.2f}x, TPOT {summary['tpot']:.2f}x, offline "
+                  f"throughput {summary['offline']:.2f}x; quantized TPOT {floor_ratio:.2f}x its bytes floor"]
+    lines += ["", "| weights | parameters (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
+    for name, dequantize in (("quantized", False), ("bf16", True)):
+        lines.append(f"| {name} | {weight_bytes[name] / 1e6:.1f} | {loaded_rss(args.model, dequantize) / 1e6:.1f} |")
+    print("\n".join(lines))
+    write_markdown(args.markdown, lines)
+
+
+if __name__ == "__main__":
+    main()
