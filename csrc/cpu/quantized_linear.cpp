@@ -143,9 +143,13 @@ class QuantizedLinearNode final : public OpNode {
       : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
         geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
         quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.blocks) {
-    // The bias itself where it is float32 already (a model's tensor, read at every replay).
-    if (args.optional_tensor(3).has_value()) bias_ = args.optional_tensor(3)->to(at::kFloat).contiguous();
-    bias_bfloat16_ = bfloat16_values(args.optional_tensor(3));
+    // The bias in the dtype its path reads: bfloat16 for the panels' kernel, float32 (the model's
+    // tensor itself where it is float32 already, read at every replay) for the int8 path.
+    if (geometry_.panels) {
+      bias_bfloat16_ = bfloat16_values(args.optional_tensor(3));
+    } else if (args.optional_tensor(3).has_value()) {
+      bias_ = args.optional_tensor(3)->to(at::kFloat).contiguous();
+    }
   }
 
   void configure(int64_t threads) override {
@@ -184,7 +188,7 @@ class QuantizedLinearNode final : public OpNode {
  private:
   at::Tensor out_, input_, weight_;
   QuantizedLinearGeometry geometry_;
-  at::Tensor bias_;  // float32, or undefined
+  at::Tensor bias_;  // the int8 path's, float32, or undefined
   std::vector<bfloat16> bias_bfloat16_;  // the many-row path's, or empty
   QuantizedInput quantized_;
   std::vector<std::vector<float>> rows_scratch_;

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from kvflow.layers.linear import PackedWeight, can_hold_quantized, quantized_parameter
+from kvflow.layers.linear import PackedWeight, quantized_parameter
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 
@@ -33,10 +33,10 @@ class VocabEmbedding(nn.Module):
 
     def hold_quantized(self, ggml_type: int) -> bool:
         """As Linear.hold_quantized, for the table (and an LM head tied to it)."""
-        if not can_hold_quantized(self.weight, ggml_type):
+        parameter = quantized_parameter(self.weight, ggml_type)
+        if parameter is None:
             return False
-        self.weight = quantized_parameter(self.weight, ggml_type)
-        self.ggml_type = ggml_type
+        self.weight, self.ggml_type = parameter, ggml_type
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -81,15 +81,15 @@ class LMHead(nn.Module):
     def prepack(self) -> bool:
         """As Linear.prepack, for the (possibly tied) LM head weight."""
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        self.packed_weight = None if self.ggml_type is not None else PackedWeight.of(weight)
+        self.packed_weight = PackedWeight.of(weight)
         return self.packed_weight is not None
 
     def hold_quantized(self, ggml_type: int) -> bool:
         """As Linear.hold_quantized, for an untied weight (a tied one follows the embedding's)."""
-        if self.tied_to is not None or not can_hold_quantized(self.weight, ggml_type):
+        parameter = None if self.tied_to is not None else quantized_parameter(self.weight, ggml_type)
+        if parameter is None:
             return False
-        self.weight = quantized_parameter(self.weight, ggml_type)
-        self.own_ggml_type = ggml_type
+        self.weight, self.own_ggml_type = parameter, ggml_type
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -10,15 +10,13 @@ from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 from kvflow.ops.quantized import BLOCK_BYTES, QUANT_BLOCK, quantized_row_bytes
 
 
-def can_hold_quantized(weight: torch.Tensor, ggml_type: int) -> bool:
-    """Whether a float CPU weight [rows, in_features] may be replaced by the GGUF blocks of
-    ggml_type: a type quantized_linear runs, whole blocks a row, activations it takes."""
-    return (ggml_type in BLOCK_BYTES and weight.is_cpu and weight.dim() == 2
-            and weight.shape[1] % QUANT_BLOCK == 0 and weight.dtype in (torch.float32, torch.bfloat16))
-
-
-def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter:
-    """An empty uint8 parameter [rows, row bytes] for weight's values in ggml_type's blocks."""
+def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | None:
+    """An empty uint8 parameter [rows, row bytes] for a float CPU weight [rows, in_features] in the
+    GGUF blocks of ggml_type, or None where quantized_linear cannot run it (another type, rows of
+    part blocks, another device, activations of a dtype it does not take)."""
+    if not (ggml_type in BLOCK_BYTES and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] % QUANT_BLOCK == 0 and weight.dtype in (torch.float32, torch.bfloat16)):
+        return None
     return nn.Parameter(torch.empty(weight.shape[0], quantized_row_bytes(weight.shape[1], ggml_type),
                                     dtype=torch.uint8), requires_grad=False)
 
@@ -93,17 +91,17 @@ class Linear(nn.Module):
         """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where the
         weight cannot be packed (another dtype or device, or a quantized weight)."""
-        self.packed_weight = None if self.ggml_type is not None else PackedWeight.of(self.weight)
+        self.packed_weight = PackedWeight.of(self.weight)
         return self.packed_weight is not None
 
     def hold_quantized(self, ggml_type: int) -> bool:
         """Makes the weight a uint8 parameter for GGUF blocks of ggml_type, for the loader to fill
         with the file's bytes (load_part's slices are whole rows, so merged parts fill alike).
-        False, changing nothing, where quantized_linear cannot run it (see can_hold_quantized)."""
-        if not can_hold_quantized(self.weight, ggml_type):
+        False, changing nothing, where quantized_linear cannot run it (see quantized_parameter)."""
+        parameter = quantized_parameter(self.weight, ggml_type)
+        if parameter is None:
             return False
-        self.weight = quantized_parameter(self.weight, ggml_type)
-        self.ggml_type = ggml_type
+        self.weight, self.ggml_type = parameter, ggml_type
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -165,8 +163,6 @@ class GateUpLinear(MergedLinear):
 
     def prepack(self) -> bool:
         """As Linear.prepack; packed for the SiLU epilogue where that is the whole computation."""
-        if self.ggml_type is not None:
-            return False
         self.packed_weight = PackedWeight.of(self.weight, gate_up=self.plain_silu)
         return self.packed_weight is not None
 
