@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import kvflow
 from kvflow import ops, platform
-from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_0, GGML_Q5_1,
+                                  GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_TYPE_NAMES, quantized_row_bytes)
 from timing import read_bandwidth, timed, write_markdown
 
 
@@ -158,31 +159,38 @@ def small_linear_table(dtype, device, rows_grid, shapes, repeat, in_cache=False)
     return lines
 
 
+# Where each type's float16 scales sit in its block: d (and m or dmin) first, Q6_K's d last.
+SCALE_BYTES = {GGML_Q4_0: (0, 2), GGML_Q4_1: (0, 4), GGML_Q5_0: (0, 2), GGML_Q5_1: (0, 4), GGML_Q8_0: (0, 2),
+               GGML_Q4_K: (0, 4), GGML_Q5_K: (0, 4), GGML_Q6_K: (208, 210)}
+QUANTIZED_TABLE_TYPES = (GGML_Q8_0, GGML_Q6_K, GGML_Q5_K, GGML_Q4_K, GGML_Q4_1, GGML_Q4_0)
+
+
 def random_gguf_blocks(ggml_type: int, out_features: int, in_features: int, rng) -> torch.Tensor:
     """uint8 [out_features, row bytes] of random blocks: real scales, any codes (the time does not
     depend on the values)."""
-    row_bytes = in_features // 32 * BLOCK_BYTES[ggml_type]
-    blocks = rng.integers(0, 256, (out_features, in_features // 32, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
-    scales = rng.uniform(0.001, 0.05, (out_features, in_features // 32, 2)).astype(np.float16).view(np.uint8)
-    blocks[:, :, :4 if ggml_type == GGML_Q4_1 else 2] = scales.reshape(out_features, in_features // 32, 4)[
-        :, :, :4 if ggml_type == GGML_Q4_1 else 2]
-    return torch.from_numpy(blocks.reshape(out_features, row_bytes))
+    blocks = out_features * in_features // BLOCK_VALUES[ggml_type]
+    data = rng.integers(0, 256, (blocks, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    first, last = SCALE_BYTES[ggml_type]
+    scales = rng.uniform(0.0005, 0.01, (blocks, (last - first) // 2)).astype(np.float16)
+    data[:, first:last] = scales.view(np.uint8)
+    return torch.from_numpy(data.reshape(out_features, -1))
 
 
 def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
-    """quantized_linear on GGUF blocks (Q4_0, Q4_1, Q8_0) against small_linear on the same shape in
-    bfloat16, weights from memory as in small_linear_table: the time of decode's products, and
-    the bytes each reads."""
+    """quantized_linear on GGUF blocks (QUANTIZED_TABLE_TYPES; the K-quants where in_features is
+    whole 256-blocks) against small_linear on the same shape in bfloat16, weights from memory as
+    in small_linear_table: the time of decode's products, and the bytes each reads."""
     bandwidth = read_bandwidth("cpu")
+    names = [GGML_TYPE_NAMES[t] for t in QUANTIZED_TABLE_TYPES]
     lines = [
         "",
         f"quantized_linear, weights from memory; machine read bandwidth {bandwidth:.1f} GB/s; "
         "speedup = bf16 small_linear time / this time, same run",
         "",
-        "| rows x in -> out | bf16 (us) | Q8_0 (us) | GB/s | speedup | Q4_1 (us) | GB/s | speedup | Q4_0 (us) | GB/s "
-        "| speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows x in -> out | bf16 (us) | " + " | ".join(f"{n} (us) | GB/s | speedup" for n in names) + " |",
+        "|---|---:|" + "---:|---:|---:|" * len(names),
     ]
+    print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
     for in_features, out_features in shapes:
         def copies_of(make, nbytes):
@@ -191,8 +199,8 @@ def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
         bf16 = copies_of(lambda: torch.randn(out_features, in_features, dtype=torch.bfloat16),
                          out_features * in_features * 2)
         quantized = {t: copies_of(lambda t=t: random_gguf_blocks(t, out_features, in_features, rng),
-                                  out_features * in_features // 32 * BLOCK_BYTES[t])
-                     for t in (GGML_Q8_0, GGML_Q4_1, GGML_Q4_0)}
+                                  quantized_row_bytes(in_features, t) * out_features)
+                     for t in QUANTIZED_TABLE_TYPES if in_features % BLOCK_VALUES[t] == 0}
         for rows in rows_grid:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
             out = torch.empty(rows, out_features, dtype=torch.bfloat16)
@@ -203,13 +211,17 @@ def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
 
             t_bf16 = timed(run_bf16, "cpu", 1, max(3, repeat // 10)) / len(bf16)
             line = f"| {rows} x {in_features} -> {out_features} | {t_bf16 * 1e6:.1f} |"
-            for ggml_type, weights in quantized.items():
-                def run(weights=weights, ggml_type=ggml_type):
+            for ggml_type in QUANTIZED_TABLE_TYPES:
+                if ggml_type not in quantized:
+                    line += " - | - | - |"
+                    continue
+
+                def run(weights=quantized[ggml_type], ggml_type=ggml_type):
                     for weight in weights:
                         ops.quantized_linear(x, weight, ggml_type, out=out)
 
-                t = timed(run, "cpu", 1, max(3, repeat // 10)) / len(weights)
-                line += f" {t * 1e6:.1f} | {weights[0].numel() / t / 1e9:.1f} | {t_bf16 / t:.2f}x |"
+                t = timed(run, "cpu", 1, max(3, repeat // 10)) / len(quantized[ggml_type])
+                line += f" {t * 1e6:.1f} | {quantized[ggml_type][0].numel() / t / 1e9:.1f} | {t_bf16 / t:.2f}x |"
             lines.append(line)
             print(line, flush=True)
         del bf16, quantized
@@ -363,8 +375,8 @@ def main():
                                     args.repeat)
         rows += packed_silu_table(args.packed_rows, 576, 1536, args.repeat)
     if args.device == "cpu" and args.quantized_rows and not args.ops:
-        # SmolLM2-135M's gate|up and LM head, and a Llama-3-8B-sized MLP product.
-        rows += quantized_linear_table(args.quantized_rows, [(576, 3072), (576, 49152), (4096, 14336)],
+        # SmolLM2-135M's gate|up and LM head, Qwen2.5-1.5B's gate|up, a Llama-3-8B-sized MLP product.
+        rows += quantized_linear_table(args.quantized_rows, [(576, 3072), (576, 49152), (1536, 8960), (4096, 14336)],
                                        args.repeat)
     write_markdown(args.markdown, header + rows)
 

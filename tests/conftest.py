@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvflow
-from kvflow.ops.quantized import GGML_Q4_1, GGML_Q8_0
+from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K
 
 CPU_ISAS = kvflow.ops.supported_cpu_isas()
 TARGETS = [f"cpu:{isa}" for isa in CPU_ISAS] + (["cuda"] if torch.cuda.is_available() else [])
@@ -86,16 +86,24 @@ def running_server(app):
 
 
 def random_blocks(ggml_type: int, out_features: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [out_features, row bytes]: blocks with random scales (and Q4_1 offsets) and codes over
-    each format's whole range, Q8_0's -128 included."""
-    blocks = out_features * in_features // 32
-    scales = rng.uniform(0.002, 0.05, blocks).astype(np.float16) * rng.choice([-1, 1], blocks).astype(np.float16)
-    parts = [scales.view(np.uint8).reshape(blocks, 2)]
-    if ggml_type == GGML_Q4_1:
-        parts.append(rng.uniform(-0.4, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2))
-    if ggml_type == GGML_Q8_0:
-        parts.append(rng.integers(-128, 128, (blocks, 32)).astype(np.int8).view(np.uint8))
+    """uint8 [out_features, row bytes]: blocks of random bytes (codes over each format's whole
+    range, Q8_0's -128 included, and the K-quants' 6-bit scales and mins or int8 scales) with
+    random float16 scales in place: d of either sign, offsets m of the 32-weight formats in
+    [-0.4, 0.1], the K-quants' d and dmin sized so that weights stay within a few units."""
+    blocks = out_features * in_features // BLOCK_VALUES[ggml_type]
+    data = rng.integers(0, 256, (blocks, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+
+    def halves(low: float, high: float, signed: bool) -> np.ndarray:
+        values = rng.uniform(low, high, blocks) * (rng.choice([-1, 1], blocks) if signed else 1)
+        return values.astype(np.float16).view(np.uint8).reshape(blocks, 2)
+
+    if ggml_type == GGML_Q6_K:
+        data[:, 208:210] = halves(0.0002, 0.002, True)
+    elif ggml_type in (GGML_Q4_K, GGML_Q5_K):
+        data[:, 0:2] = halves(0.0005, 0.004, False)
+        data[:, 2:4] = halves(0.0005, 0.004, False)
     else:
-        codes = rng.integers(0, 16, (blocks, 32)).astype(np.uint8)
-        parts.append(codes[:, :16] | (codes[:, 16:] << 4))
-    return np.concatenate(parts, axis=1).reshape(out_features, -1)
+        data[:, 0:2] = halves(0.002, 0.05, True)
+        if ggml_type in (GGML_Q4_1, GGML_Q5_1):
+            data[:, 2:4] = rng.uniform(-0.4, 0.1, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    return data.reshape(out_features, -1)

@@ -30,7 +30,7 @@ from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
-from kvflow.ops.quantized import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+from kvflow.ops.quantized import BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q6_K, GGML_Q8_0
 
 BLOCK = 16
 VARIANTS = {
@@ -373,17 +373,18 @@ def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
     assert_replay_equals_op_by_op(model, ids, md, kv)
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_1, GGML_Q4_K, GGML_Q6_K])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
     """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a
     program: bit for bit what the ops give one by one, at every thread count; 40 rows take the
     dequantized panels."""
     rng = np.random.default_rng(ggml_type + rows)
-    first = torch.from_numpy(random_blocks(ggml_type, 96, 64, rng))
-    second = torch.from_numpy(random_blocks(ggml_type, 200, 96, rng))
+    width = 2 * BLOCK_VALUES[ggml_type]
+    first = torch.from_numpy(random_blocks(ggml_type, width, width, rng))
+    second = torch.from_numpy(random_blocks(ggml_type, 200, width, rng))
     bias = torch.randn(200)
-    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    x = torch.randn(rows, width, dtype=torch.bfloat16)
 
     def step():
         hidden = ops.quantized_linear(x, first, ggml_type, out_dtype=torch.bfloat16)
@@ -391,7 +392,7 @@ def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_
 
     expected, captured, reason = capture(step)
     assert captured is not None, reason
-    x.copy_(torch.randn(rows, 64, dtype=torch.bfloat16))  # a new step's input, in the same buffer
+    x.copy_(torch.randn(x.shape, dtype=torch.bfloat16))  # a new step's input, in the same buffer
     captured.program.run(1, 1)
     assert captured.program.replays == 1
     assert torch.equal(captured.outputs[0], step())

@@ -23,6 +23,7 @@ from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, Gemma2Co
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
+from k_quants import K_TYPES, quantize_k
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
@@ -337,6 +338,14 @@ _GGUF_GEMMA_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "pr
                           "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def quantize_blocks(weight: np.ndarray, type_name: str) -> np.ndarray:
+    """weight's blocks of a GGML type: by the gguf package, as llama-quantize would, or for the
+    K-quants, which the package does not write, by tests/k_quants.py."""
+    if type_name in K_TYPES:
+        return quantize_k(weight, type_name)
+    return gguf.quants.quantize(weight, gguf.GGMLQuantizationType[type_name])
+
+
 def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """q/k rows as llama.cpp's converter writes them for llama-like architectures: within each
     head, the two rotated halves interleaved."""
@@ -348,7 +357,7 @@ def as_gguf(model, path: Path, arch: str = "qwen2", quantized: dict[str, str] | 
     GGUF: its metadata keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes
     them for llama and granite, and so does this), Gemma's (1 + w) norms stored with the 1 added.
     quantized: Hugging Face name -> GGML type name of the tensors to store in that type's blocks
-    (quantized by the gguf package, as llama-quantize would)."""
+    (see quantize_blocks)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -412,7 +421,7 @@ def as_gguf(model, path: Path, arch: str = "qwen2", quantized: dict[str, str] | 
             tensor = tensor + 1
         if quantized and name in quantized:
             ggml_type = gguf.GGMLQuantizationType[quantized[name]]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(tensor.float().numpy(), ggml_type), raw_dtype=ggml_type)
+            writer.add_tensor(gguf_name, quantize_blocks(tensor.float().numpy(), quantized[name]), raw_dtype=ggml_type)
             continue
         writer.add_tensor(gguf_name, tensor.float().numpy())
     writer.write_header_to_file()
@@ -534,61 +543,87 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127)).reshape(x.shape).to(x.dtype)
 
 
-def quantization_plan(config, arch: str) -> dict[str, str]:
-    """Hugging Face name -> GGML type for a file mixing the types kvflow keeps quantized: Q4_0
-    attention inputs, Q8_0 outputs, Q4_1 MLP inputs, a Q4_0 embedding and a Q8_0 LM head; layer 1's
-    k_proj in Q8_0 (a q|k|v of mixed types, as llama.cpp's mixed files have, stays float)."""
-    plan = {"model.embed_tokens.weight": "Q4_0", "lm_head.weight": "Q8_0"}
+def quantization_plan(config, kind: str) -> dict[str, str]:
+    """Hugging Face name -> GGML type for a file mixing the types kvflow keeps quantized.
+    "legacy": Q4_0 attention inputs, Q8_0 outputs, Q4_1 MLP inputs, a Q4_0 embedding and a Q8_0
+    LM head. "k_quants", as a Q4_K_M file mixes them: Q4_K, with Q6_K values, down projections
+    and LM head, layer 0's MLP inputs in Q5_K, and layer 2's o_proj and down_proj in Q5_0 and Q5_1
+    (the types llama-quantize falls back to). In both, layer 1's k_proj has a type of its own: a
+    q|k|v of mixed types, as llama.cpp's mixed files have, stays float."""
+    legacy = kind == "legacy"
+    plan = {"model.embed_tokens.weight": "Q4_0" if legacy else "Q4_K", "lm_head.weight": "Q8_0" if legacy else "Q6_K"}
     for layer in range(config.num_hidden_layers):
         prefix = f"model.layers.{layer}."
-        plan |= {prefix + "self_attn.q_proj.weight": "Q4_0", prefix + "self_attn.k_proj.weight": "Q4_0",
-                 prefix + "self_attn.v_proj.weight": "Q4_0", prefix + "self_attn.o_proj.weight": "Q8_0",
-                 prefix + "mlp.gate_proj.weight": "Q4_1", prefix + "mlp.up_proj.weight": "Q4_1",
-                 prefix + "mlp.down_proj.weight": "Q8_0"}
-    plan["model.layers.1.self_attn.k_proj.weight"] = "Q8_0"
+        inputs, outputs, mlp_inputs = ("Q4_0", "Q8_0", "Q4_1") if legacy else ("Q4_K", "Q6_K", "Q4_K")
+        plan |= {prefix + "self_attn.q_proj.weight": inputs, prefix + "self_attn.k_proj.weight": inputs,
+                 prefix + "self_attn.v_proj.weight": inputs if legacy else "Q6_K",
+                 prefix + "self_attn.o_proj.weight": outputs if legacy else "Q4_K",
+                 prefix + "mlp.gate_proj.weight": mlp_inputs, prefix + "mlp.up_proj.weight": mlp_inputs,
+                 prefix + "mlp.down_proj.weight": outputs}
+    plan["model.layers.1.self_attn.k_proj.weight"] = "Q8_0" if legacy else "Q5_K"
+    if not legacy:
+        plan |= {"model.layers.0.mlp.gate_proj.weight": "Q5_K", "model.layers.0.mlp.up_proj.weight": "Q5_K",
+                 "model.layers.2.self_attn.o_proj.weight": "Q5_0", "model.layers.2.mlp.down_proj.weight": "Q5_1"}
     return plan
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "smollm3"])
-def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, tokenizer, tmp_path):
-    """A GGUF file with Q4_0, Q4_1 and Q8_0 projections (q/k/v biases in Qwen2; q/k rows permuted
-    as llama.cpp stores them in SmolLM3), an untied Q8_0 LM head and a Q4_0 embedding: kvflow keeps
-    those blocks and runs them through its quantized ops; transformers runs the same blocks
-    dequantized by the gguf package, each projection's input rounded to int8 blocks as kvflow's
-    products round it. Greedy tokens agree wherever transformers' top two are not close, and every
-    step's top-20 logprobs stay within QUANTIZED_LOGPROB_ATOL, their median within
-    QUANTIZED_LOGPROB_MEDIAN."""
-    from kvflow.layers import Linear
+def held_types(plan: dict[str, str]) -> dict[str, int | None]:
+    """kvflow module name -> the GGML type id it should hold for a plan, None where its parts'
+    types differ (it stays float)."""
+    parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+    held = {"embed_tokens": plan["model.embed_tokens.weight"], "lm_head": plan["lm_head.weight"]}
+    layers = {int(name.split(".")[2]) for name in plan if name.startswith("model.layers.")}
+    for layer in layers:
+        prefix = f"model.layers.{layer}."
+        for module, names in parts.items():
+            types = {plan[prefix + module.split(".")[0] + "." + part + ".weight"] for part in names}
+            held[f"layers.{layer}.{module}"] = types.pop() if len(types) == 1 else None
+        for module in ("self_attn.o_proj", "mlp.down_proj"):
+            held[f"layers.{layer}.{module}"] = plan[prefix + module + ".weight"]
+    return {name: None if type_name is None else int(gguf.GGMLQuantizationType[type_name])
+            for name, type_name in held.items()}
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen2", "legacy"), ("smollm3", "legacy"), ("qwen2", "k_quants")])
+def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, kind, tokenizer, tmp_path):
+    """A GGUF file with quantized projections (q/k/v biases in Qwen2; q/k rows permuted as
+    llama.cpp stores them in SmolLM3), an untied quantized LM head and a quantized embedding, as
+    quantization_plan mixes the types: kvflow keeps those blocks and runs them through its
+    quantized ops; transformers runs the same blocks dequantized by the gguf package, each
+    projection's input rounded to int8 blocks as kvflow's products round it. Greedy tokens agree
+    wherever transformers' top two are not close, and every step's top-20 logprobs stay within
+    QUANTIZED_LOGPROB_ATOL, their median within QUANTIZED_LOGPROB_MEDIAN."""
     from kvflow.loader.gguf_file import gguf_tensor_types
 
+    shape = SHAPE if kind == "legacy" else SHAPE | dict(hidden_size=256, intermediate_size=512)  # whole 256-blocks
     if arch == "qwen2":
-        reference = qwen2_checkpoint(tmp_path / "hf", tokenizer, tied=False, window=None)
+        config = Qwen2Config(**shape, tie_word_embeddings=False, use_sliding_window=False)
+        reference = save_randomised(Qwen2ForCausalLM(config), tmp_path / "hf", tokenizer)
     else:
-        config = SmolLM3Config(**SHAPE, pad_token_id=None, tie_word_embeddings=False)
+        config = SmolLM3Config(**shape, pad_token_id=None, tie_word_embeddings=False)
         reference = save_randomised(SmolLM3ForCausalLM(config), tmp_path / "hf", tokenizer)
-    plan = quantization_plan(reference.config, arch)
+    plan = quantization_plan(reference.config, kind)
     reader = open_gguf(str(as_gguf(reference, tmp_path / f"{arch}.gguf", arch, quantized=plan)))
     with torch.no_grad():  # transformers on the weights as the file stores them
         parameters = dict(reference.named_parameters())
         for name, type_name in plan.items():
             weight = parameters[name]
-            blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[type_name])
+            blocks = quantize_blocks(weight.numpy(), type_name)
             weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])))
-    float_qkv = [f"model.layers.1.self_attn.{part}_proj" for part in "qkv"]  # mixed types: kvflow keeps it float
-    kept = {name.removesuffix(".weight") for name in plan} - {"model.embed_tokens", *float_qkv}
+    expected = held_types(plan)
+    kept = {"model." + name if name != "lm_head" else name for name, held in expected.items() if held is not None}
+    kept = {name.replace("qkv_proj", part) for name in kept for part in ("q_proj", "k_proj", "v_proj")}
+    kept = {name.replace("gate_up_proj", part) for name in kept for part in ("gate_proj", "up_proj")}
     for name, module in reference.named_modules():  # and on the activations as kvflow's products see them
-        if name in kept:
+        if name in kept - {"model.embed_tokens"}:
             module.register_forward_pre_hook(lambda module, args: (int8_blocks(args[0]),))
 
     config = config_from_gguf(reader)
     graph = model_class(config.architecture)(config, torch.float32)
     raw = graph.hold_quantized_weights(gguf_tensor_types(reader))
     graph.load_weights(gguf_weights(reader, config, raw))
-    layers = graph.layers
-    assert layers[0].self_attn.qkv_proj.ggml_type == 2 and layers[1].self_attn.qkv_proj.ggml_type is None
-    assert [layers[0].self_attn.o_proj.ggml_type, layers[0].mlp.gate_up_proj.ggml_type,
-            layers[0].mlp.down_proj.ggml_type, graph.embed_tokens.ggml_type, graph.lm_head.ggml_type] == [8, 3, 8, 2, 8]
-    assert sum(isinstance(m, Linear) and m.ggml_type is not None for m in graph.modules()) == 4 * 4 - 1
+    modules = dict(graph.named_modules())
+    assert {name: modules[name].ggml_type for name in expected} == expected
 
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
     differences = []
@@ -605,5 +640,5 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, to
                 assert margins[step] < QUANTIZED_NEAR_TIE, (length, step)
                 break
     median = float(np.median(differences))
-    print(f"{arch}: top-20 logprob differences: median {median:.4f}, largest {max(differences):.4f}")
+    print(f"{arch} {kind}: top-20 logprob differences: median {median:.4f}, largest {max(differences):.4f}")
     assert median < QUANTIZED_LOGPROB_MEDIAN

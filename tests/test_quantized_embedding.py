@@ -1,4 +1,4 @@
-"""quantized_embedding (a table in GGUF Q4_0 / Q4_1 / Q8_0 blocks) against the rows the gguf package
+"""quantized_embedding (a table in GGUF blocks of each type quantized_linear runs) against the rows the gguf package
 dequantizes, scaled and rounded once to the output dtype; bad ids and arguments get clear errors."""
 
 import numpy as np
@@ -8,24 +8,22 @@ from gguf import GGMLQuantizationType, quants
 
 from conftest import random_blocks
 from kvflow import ops
-from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
-
-TYPES = {GGML_Q4_0: GGMLQuantizationType.Q4_0, GGML_Q4_1: GGMLQuantizationType.Q4_1,
-         GGML_Q8_0: GGMLQuantizationType.Q8_0}
+from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q8_0, GGML_TYPE_NAMES
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("ggml_type", list(GGML_TYPE_NAMES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens,scale", [(1, 1.0), (9, 1.0), (40, 24.0), (0, 1.0)])
 def test_quantized_embedding_dequantizes_the_rows(ggml_type, dtype, num_tokens, scale):
     rng = np.random.default_rng(ggml_type * 10 + num_tokens)
-    table = random_blocks(ggml_type, 500, 576, rng)
+    hidden = 576 if BLOCK_VALUES[ggml_type] == 32 else 768
+    table = random_blocks(ggml_type, 500, hidden, rng)
     ids = torch.from_numpy(rng.integers(0, 500, num_tokens))
     ids[: num_tokens // 2] = 499  # repeats and the last row
-    rows = quants.dequantize(table, TYPES[ggml_type])[ids.numpy()]
+    rows = quants.dequantize(table, GGMLQuantizationType[GGML_TYPE_NAMES[ggml_type]])[ids.numpy()]
     expected = (torch.from_numpy(rows).float() * scale).to(dtype)
     actual = ops.quantized_embedding(ids, torch.from_numpy(table), ggml_type, scale=scale, out_dtype=dtype)
-    assert actual.dtype == dtype and actual.shape == (num_tokens, 576)
+    assert actual.dtype == dtype and actual.shape == (num_tokens, hidden)
     assert torch.equal(actual, expected)
 
 
@@ -41,8 +39,8 @@ def test_an_id_outside_the_table_is_refused_before_any_row_is_written():
 def test_bad_arguments_are_named():
     table = torch.zeros(5, 2 * BLOCK_BYTES[GGML_Q8_0], dtype=torch.uint8)
     ids = torch.tensor([1, 2])
-    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), Q4_1 \(3\) and Q8_0 \(8\), got type 14"):
-        ops.quantized_embedding(ids, table, 14)
+    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), .* and Q6_K \(14\), got type 11"):
+        ops.quantized_embedding(ids, table, 11)  # Q3_K
     with pytest.raises(RuntimeError, match="weight must be uint8"):
         ops.quantized_embedding(ids, table.float(), GGML_Q8_0)
     with pytest.raises(RuntimeError, match="whole 34-byte blocks, got 67 bytes a row"):

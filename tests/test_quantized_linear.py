@@ -1,5 +1,6 @@
-"""quantized_linear (weights in GGUF Q4_0 / Q4_1 / Q8_0 blocks) against float64 products of the
-weights dequantized by the gguf package (llama.cpp's own Python reader), on every instruction set.
+"""quantized_linear (weights in GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks)
+against float64 products of the weights dequantized by the gguf package (llama.cpp's own Python
+reader), on every instruction set.
 
 Few rows:
 The op quantizes each block of 32 input values to int8 with scale s = max|x| / 127, so each value
@@ -18,14 +19,21 @@ from gguf import GGMLQuantizationType, quants
 
 from conftest import random_blocks
 from kvflow import ops
-from kvflow.ops.quantized import BLOCK_BYTES, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_TYPE_NAMES
 
-TYPES = {GGML_Q4_0: GGMLQuantizationType.Q4_0, GGML_Q4_1: GGMLQuantizationType.Q4_1,
-         GGML_Q8_0: GGMLQuantizationType.Q8_0}
+ALL_TYPES = list(GGML_TYPE_NAMES)
 
 
 def dequantized(weight: np.ndarray, ggml_type: int) -> np.ndarray:
-    return quants.dequantize(weight, TYPES[ggml_type]).astype(np.float64)
+    return quants.dequantize(weight, GGMLQuantizationType[GGML_TYPE_NAMES[ggml_type]]).astype(np.float64)
+
+
+def shape(ggml_type: int, blocks: int | str) -> int:
+    """in_features of `blocks` blocks of ggml_type, or of a model's row ("model": SmolLM2-135M's
+    576 for the 32-weight blocks, 1536 as Qwen2.5-1.5B's for the K-quants' 256)."""
+    if blocks == "model":
+        return 576 if BLOCK_VALUES[ggml_type] == 32 else 1536
+    return blocks * BLOCK_VALUES[ggml_type]
 
 
 def quantized_input(x: np.ndarray) -> np.ndarray:
@@ -51,10 +59,11 @@ def allowed_error(x: np.ndarray, w: np.ndarray, out_dtype: torch.dtype, expected
     return bound * 1.001
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
-@pytest.mark.parametrize("in_features,out_features", [(32, 1), (96, 7), (576, 130)])
-def test_quantized_linear_matches_dequantized_product(ggml_type, rows, in_features, out_features, cpu_isa):
+@pytest.mark.parametrize("blocks,out_features", [(1, 1), (3, 7), ("model", 130)])
+def test_quantized_linear_matches_dequantized_product(ggml_type, rows, blocks, out_features, cpu_isa):
+    in_features = shape(ggml_type, blocks)
     rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
     weight = random_blocks(ggml_type, out_features, in_features, rng)
     x = rng.standard_normal((rows, in_features))
@@ -73,13 +82,14 @@ def test_quantized_linear_matches_dequantized_product(ggml_type, rows, in_featur
     assert (np.abs(actual - exact) <= accumulation).all(), f"worst {np.max(np.abs(actual - exact) / accumulation):.3f}"
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES)
 @pytest.mark.parametrize("input_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                    (torch.float32, torch.bfloat16)])
 def test_quantized_linear_dtypes_and_bias(ggml_type, input_dtype, out_dtype, cpu_isa):
     rng = np.random.default_rng(ggml_type)
-    weight = random_blocks(ggml_type, 75, 192, rng)
-    x = torch.randn(4, 192, dtype=torch.float64).to(input_dtype)
+    in_features = shape(ggml_type, 2)
+    weight = random_blocks(ggml_type, 75, in_features, rng)
+    x = torch.randn(4, in_features, dtype=torch.float64).to(input_dtype)
     bias = torch.randn(75, dtype=torch.float64).to(input_dtype)
     x64, w = x.double().numpy(), dequantized(weight, ggml_type)
     expected = x64 @ w.T + bias.double().numpy()
@@ -89,12 +99,12 @@ def test_quantized_linear_dtypes_and_bias(ggml_type, input_dtype, out_dtype, cpu
     assert (error <= allowed_error(x64, w, out_dtype, expected)).all()
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0])
+@pytest.mark.parametrize("ggml_type", ALL_TYPES)
 @pytest.mark.parametrize("rows", [32, 45])
-@pytest.mark.parametrize("in_features,out_features", [(32, 1), (96, 47), (576, 130)])
+@pytest.mark.parametrize("blocks,out_features", [(1, 1), (3, 47), ("model", 130)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, in_features, out_features, out_dtype,
-                                                         cpu_isa):
+def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, blocks, out_features, out_dtype, cpu_isa):
+    in_features = shape(ggml_type, blocks)
     rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
     weight = random_blocks(ggml_type, out_features, in_features, rng)
     x = torch.randn(rows, in_features, dtype=torch.float64).bfloat16()
@@ -123,8 +133,8 @@ def test_quantized_linear_rows_do_not_interfere(cpu_isa):
 def test_quantized_linear_rejects_bad_input():
     weight = torch.zeros(4, 2 * BLOCK_BYTES[GGML_Q4_1], dtype=torch.uint8)
     x = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), Q4_1 \(3\) and Q8_0 \(8\), got type 12"):
-        ops.quantized_linear(x, weight, 12)
+    with pytest.raises(RuntimeError, match=r"GGML types Q4_0 \(2\), .* and Q6_K \(14\), got type 10"):
+        ops.quantized_linear(x, weight, 10)  # Q2_K
     with pytest.raises(RuntimeError, match="weight must be uint8"):
         ops.quantized_linear(x, weight.float(), GGML_Q4_1)
     with pytest.raises(RuntimeError, match="whole 20-byte blocks, got 39 bytes a row"):

@@ -33,12 +33,7 @@ KernelTable make_avx2_table() {
   // 6 rows x 16 features: 12 accumulators, 2 widened weights and a broadcast in 16 registers.
   table.packed_linear = PackedLinearWidened<VecAvx2, 6, 2>::run;
   table.small_linear[int(DType::kBFloat16)] = SmallLinearWidened<VecAvx2>::run;
-  table.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_0>>;
-  table.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ4_1>>;
-  table.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotAvx2<QuantFormat::kQ8_0>>;
-  table.dequantize_panel[int(QuantFormat::kQ4_0)] = dequantize_panel_avx2<QuantFormat::kQ4_0>;
-  table.dequantize_panel[int(QuantFormat::kQ4_1)] = dequantize_panel_avx2<QuantFormat::kQ4_1>;
-  table.dequantize_panel[int(QuantFormat::kQ8_0)] = dequantize_panel_avx2<QuantFormat::kQ8_0>;
+  fill_quantized_entries_avx2(table, std::make_integer_sequence<int, kNumQuantFormats>{});
   return table;
 }
 

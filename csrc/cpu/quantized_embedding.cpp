@@ -1,6 +1,6 @@
 // quantized_embedding on the CPU: the embedding lookup on a table kept in GGUF blocks. Every
-// token id is range-checked before any row is written; each row is then dequantized block by
-// block (and scaled, where asked) into out's dtype, tokens split across threads.
+// token id is range-checked before any row is written; each row is then dequantized chunk by
+// chunk (and scaled, where asked) into out's dtype, tokens split across threads.
 #include <ATen/Parallel.h>
 
 #include "kvflow/cpu/gguf_blocks.h"
@@ -21,7 +21,7 @@ struct QuantizedEmbeddingGeometry {
 QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, const at::Tensor& token_ids,
                                                      const at::Tensor& weight, int64_t ggml_type) {
   const int format = quant_format_of(ggml_type);
-  TORCH_CHECK(format >= 0, "quantized_embedding reads GGML types Q4_0 (2), Q4_1 (3) and Q8_0 (8), got type ",
+  TORCH_CHECK(format >= 0, "quantized_embedding reads GGML types ", kQuantTypesText, ", got type ",
               ggml_type);
   check_device_type(weight, "weight", c10::DeviceType::CPU);
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
@@ -35,7 +35,7 @@ QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, cons
   check_device_type(out, "out", c10::DeviceType::CPU);
   check_index_tensor(token_ids, "token_ids", at::kLong, weight);
   TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
-  const int64_t hidden = row_bytes / block_bytes * kQuantBlock;
+  const int64_t hidden = row_bytes / block_bytes * quant_block_values(QuantFormat(format));
   TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),
               "out must be a contiguous [", token_ids.size(0), ", ", hidden, "] tensor, got shape ", out.sizes());
   return {QuantFormat(format), token_ids.size(0), weight.size(0), row_bytes, hidden, out_dtype};
@@ -44,13 +44,13 @@ QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, cons
 template <typename T>
 void dequantize_rows(T* out, const int64_t* ids, const uint8_t* weight, const QuantizedEmbeddingGeometry& g,
                      float scale, int64_t begin, int64_t end) {
-  const int64_t block_bytes = quant_block_bytes(g.format);
+  const int64_t block_bytes = quant_block_bytes(g.format), chunks = quant_block_chunks(g.format);
   float values[kQuantBlock];
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* row = weight + ids[t] * g.row_bytes;
     T* dst = out + t * g.hidden;
     for (int64_t b = 0; b < g.hidden / kQuantBlock; ++b) {
-      dequantize_block(g.format, row + b * block_bytes, values);
+      dequantize_chunk(g.format, row + b / chunks * block_bytes, int(b % chunks), values);
       for (int64_t j = 0; j < kQuantBlock; ++j) dst[b * kQuantBlock + j] = from_float<T>(values[j] * scale);
     }
   }

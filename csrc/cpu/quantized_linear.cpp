@@ -34,17 +34,17 @@ void check_float_or_bfloat16(const at::Tensor& t, const char* name) {
 
 struct QuantizedLinearGeometry {
   int format;
-  int64_t rows, blocks, row_bytes, out_features;
+  int64_t rows, chunks, row_bytes, out_features;  // chunks: of 32 input features
   bool out_is_float32;
   bool panels;  // the many-row path
   int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
-  int64_t panel_elems() const { return blocks * kQuantBlock * kPackedLinearPanel; }
+  int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
 };
 
 QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                                int64_t ggml_type, const std::optional<at::Tensor>& bias) {
   const int format = quant_format_of(ggml_type);
-  TORCH_CHECK(format >= 0, "quantized_linear runs GGML types Q4_0 (2), Q4_1 (3) and Q8_0 (8), got type ", ggml_type);
+  TORCH_CHECK(format >= 0, "quantized_linear runs GGML types ", kQuantTypesText, ", got type ", ggml_type);
   check_device_type(weight, "weight", c10::DeviceType::CPU);
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
               weight.scalar_type());
@@ -56,9 +56,10 @@ QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::
   const int64_t out_features = weight.size(0), row_bytes = weight.size(1);
   TORCH_CHECK(row_bytes % block_bytes == 0, "weight rows of GGML type ", ggml_type, " are whole ", block_bytes,
               "-byte blocks, got ", row_bytes, " bytes a row");
-  const int64_t blocks = row_bytes / block_bytes, in_features = blocks * kQuantBlock;
+  const int64_t blocks = row_bytes / block_bytes, block_values = quant_block_values(QuantFormat(format));
+  const int64_t in_features = blocks * block_values;
   TORCH_CHECK(input.dim() == 2 && input.size(1) == in_features, "input must be [rows, ", in_features,
-              "] (the weight's ", blocks, " blocks of ", kQuantBlock, " a row), got shape ", input.sizes());
+              "] (the weight's ", blocks, " blocks of ", block_values, " a row), got shape ", input.sizes());
   const int64_t rows = input.size(0);
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
               "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
@@ -68,7 +69,7 @@ QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::
                 bias->sizes());
   }
   const bool panels = rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
-  return {format, rows, blocks, row_bytes, out_features, out.scalar_type() == at::kFloat, panels};
+  return {format, rows, in_features / kQuantBlock, row_bytes, out_features, out.scalar_type() == at::kFloat, panels};
 }
 
 // Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
@@ -82,7 +83,7 @@ void multiply_panels(const QuantizedLinearGeometry& g, at::Tensor& out, const at
     kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
                           /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
                           input.stride(0), scratch, bias == nullptr ? nullptr : bias + first, g.rows,
-                          g.blocks * kQuantBlock, g.out_features - first, 0, 1);
+                          g.chunks * kQuantBlock, g.out_features - first, 0, 1);
   }
 }
 
@@ -99,7 +100,7 @@ std::vector<float> float_values(const std::optional<at::Tensor>& t) {
   return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
 }
 
-// Input rows quantized block by block (quantize_activation_block), from rows of float32 or
+// Input rows quantized chunk by chunk (quantize_activation_block), from rows of float32 or
 // bfloat16 with any row stride.
 struct QuantizedInput {
   std::vector<int8_t> q;
@@ -142,7 +143,7 @@ class QuantizedLinearNode final : public OpNode {
   explicit QuantizedLinearNode(const NodeArgs& args)
       : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
         geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
-        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.blocks) {
+        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.chunks) {
     // The bias in the dtype its path reads: bfloat16 for the panels' kernel, float32 (the model's
     // tensor itself where it is float32 already, read at every replay) for the int8 path.
     if (geometry_.panels) {
@@ -157,7 +158,7 @@ class QuantizedLinearNode final : public OpNode {
     if (geometry_.panels) {
       panel_scratch_.assign(size_t(threads), std::vector<bfloat16>(size_t(geometry_.panel_elems())));
     } else {
-      rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.blocks * kQuantBlock)));
+      rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.chunks * kQuantBlock)));
     }
   }
 
@@ -216,9 +217,9 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     return;
   }
   const std::vector<float> bias_values = float_values(bias);
-  QuantizedInput x(g.rows, g.blocks);
+  QuantizedInput x(g.rows, g.chunks);
   at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(size_t(g.blocks * kQuantBlock));
+    std::vector<float> row(size_t(g.chunks * kQuantBlock));
     x.quantize(input, begin, end, row.data());
   });
   const QuantizedRows quantized = x.rows();

@@ -7,15 +7,15 @@ from torch import nn
 from kvflow import ops
 from kvflow.layers.activation import GatedActivation
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
-from kvflow.ops.quantized import BLOCK_BYTES, QUANT_BLOCK, quantized_row_bytes
+from kvflow.ops.quantized import BLOCK_VALUES, quantized_row_bytes
 
 
 def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | None:
     """An empty uint8 parameter [rows, row bytes] for a float CPU weight [rows, in_features] in the
     GGUF blocks of ggml_type, or None where quantized_linear cannot run it (another type, rows of
     part blocks, another device, activations of a dtype it does not take)."""
-    if not (ggml_type in BLOCK_BYTES and weight.is_cpu and weight.dim() == 2
-            and weight.shape[1] % QUANT_BLOCK == 0 and weight.dtype in (torch.float32, torch.bfloat16)):
+    if not (ggml_type in BLOCK_VALUES and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] % BLOCK_VALUES[ggml_type] == 0 and weight.dtype in (torch.float32, torch.bfloat16)):
         return None
     return nn.Parameter(torch.empty(weight.shape[0], quantized_row_bytes(weight.shape[1], ggml_type),
                                     dtype=torch.uint8), requires_grad=False)

@@ -1,10 +1,20 @@
 // GGUF's quantized weight blocks (the formats llama.cpp writes) and the int8 activations their
 // products run on. Torch-free. A quantized weight [out_features, in_features] is stored as GGUF
-// stores it: each row is in_features / 32 consecutive blocks of 32 weights.
-//   Q4_0 (type 2):  float16 d, 16 bytes of nibbles        w = d * (q - 8)      18 bytes
-//   Q4_1 (type 3):  float16 d, float16 m, 16 bytes        w = d * q + m        20 bytes
-//   Q8_0 (type 8):  float16 d, 32 int8                    w = d * q            34 bytes
-// In the 4-bit blocks, byte j holds weight j in its low nibble and weight j + 16 in its high one.
+// stores it: each row is in_features / block values consecutive blocks.
+//   Q4_0 (type 2):  f16 d, 16 bytes of nibbles                  w = d * (q - 8)           18 bytes / 32
+//   Q4_1 (type 3):  f16 d, f16 m, 16 bytes                      w = d * q + m             20 bytes / 32
+//   Q5_0 (type 6):  f16 d, 4 bytes of fifth bits, 16 bytes      w = d * (q - 16)          22 bytes / 32
+//   Q5_1 (type 7):  f16 d, f16 m, 4 bytes, 16 bytes             w = d * q + m             24 bytes / 32
+//   Q8_0 (type 8):  f16 d, 32 int8                              w = d * q                 34 bytes / 32
+//   Q4_K (type 12): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
+//                   8 sub-blocks of 32, w = d * sc * q - dmin * m                        144 bytes / 256
+//   Q5_K (type 13): as Q4_K plus 32 bytes of fifth bits                                  176 bytes / 256
+//   Q6_K (type 14): 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, f16 d;
+//                   16 sub-blocks of 16, w = d * sc * (q - 32)                           210 bytes / 256
+// In the 32-weight 4- and 5-bit blocks, byte j holds weight j in its low nibble and weight j + 16
+// in its high one; the fifth bit of weight j is bit j of the 4 bytes. The K-quants' layouts are
+// spelled out in decode_chunk. Every product here works on chunks of 32 weights: a 32-weight
+// block is one chunk, a K-quant block eight.
 #pragma once
 
 #include <algorithm>
@@ -16,77 +26,202 @@
 
 namespace kvflow::cpu {
 
-constexpr int64_t kQuantBlock = 32;  // weights per block, in every format here
+constexpr int64_t kQuantBlock = 32;  // weights per chunk, and per block of the 32-weight formats
 
 // GGML's type ids, as GGUF files and the gguf package name them.
-enum class GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+enum class GgufType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // The formats quantized_linear runs, in the order of KernelTable::quantized_linear.
-enum class QuantFormat : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-constexpr int kNumQuantFormats = 3;
+enum class QuantFormat : int { kQ4_0 = 0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K };
+constexpr int kNumQuantFormats = 8;
 
 // The format of a GGML type id, or -1 for one quantized_linear does not run.
 inline int quant_format_of(int64_t ggml_type) {
   switch (GgufType(ggml_type)) {
-    case GgufType::kQ4_0:
-      return int(QuantFormat::kQ4_0);
-    case GgufType::kQ4_1:
-      return int(QuantFormat::kQ4_1);
-    case GgufType::kQ8_0:
-      return int(QuantFormat::kQ8_0);
+    case GgufType::kQ4_0: return int(QuantFormat::kQ4_0);
+    case GgufType::kQ4_1: return int(QuantFormat::kQ4_1);
+    case GgufType::kQ5_0: return int(QuantFormat::kQ5_0);
+    case GgufType::kQ5_1: return int(QuantFormat::kQ5_1);
+    case GgufType::kQ8_0: return int(QuantFormat::kQ8_0);
+    case GgufType::kQ4_K: return int(QuantFormat::kQ4_K);
+    case GgufType::kQ5_K: return int(QuantFormat::kQ5_K);
+    case GgufType::kQ6_K: return int(QuantFormat::kQ6_K);
   }
   return -1;
 }
 
-inline int64_t quant_block_bytes(QuantFormat format) {
-  switch (format) {
-    case QuantFormat::kQ4_0:
-      return 18;
-    case QuantFormat::kQ4_1:
-      return 20;
-    case QuantFormat::kQ8_0:
-      return 34;
+// What the error messages list.
+constexpr const char* kQuantTypesText =
+    "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14)";
+
+constexpr bool is_k_quant(QuantFormat f) {
+  return f == QuantFormat::kQ4_K || f == QuantFormat::kQ5_K || f == QuantFormat::kQ6_K;
+}
+
+constexpr int64_t quant_block_values(QuantFormat f) { return is_k_quant(f) ? 256 : 32; }
+
+constexpr int64_t quant_block_bytes(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kQ4_0: return 18;
+    case QuantFormat::kQ4_1: return 20;
+    case QuantFormat::kQ8_0: return 34;
+    case QuantFormat::kQ5_0: return 22;
+    case QuantFormat::kQ5_1: return 24;
+    case QuantFormat::kQ4_K: return 144;
+    case QuantFormat::kQ5_K: return 176;
+    case QuantFormat::kQ6_K: return 210;
   }
   return 0;
 }
 
-inline float block_half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return to_float(float16{bits});
+constexpr int64_t quant_block_chunks(QuantFormat f) { return quant_block_values(f) / kQuantBlock; }
+
+// Weight codes the products take as unsigned (the format adds an offset instead of centring).
+constexpr bool has_offset(QuantFormat f) {
+  return f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1 || f == QuantFormat::kQ4_K || f == QuantFormat::kQ5_K;
 }
 
-// The 32 weights of one block as float32 (the formats' definition; the products never call it).
-inline void dequantize_block(QuantFormat format, const uint8_t* block, float* out) {
-  const float d = block_half(block);
-  switch (format) {
-    case QuantFormat::kQ4_0:
-      for (int j = 0; j < 16; ++j) {
-        out[j] = d * float((block[2 + j] & 0xF) - 8);
-        out[j + 16] = d * float((block[2 + j] >> 4) - 8);
-      }
-      break;
-    case QuantFormat::kQ4_1: {
-      const float m = block_half(block + 2);
-      for (int j = 0; j < 16; ++j) {
-        out[j] = d * float(block[4 + j] & 0xF) + m;
-        out[j + 16] = d * float(block[4 + j] >> 4) + m;
-      }
-      break;
-    }
-    case QuantFormat::kQ8_0:
-      for (int j = 0; j < 32; ++j) out[j] = d * float(int8_t(block[2 + j]));
-      break;
+inline uint16_t block_half_bits(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+
+inline float block_half(const uint8_t* p) { return to_float(float16{block_half_bits(p)}); }
+
+inline uint32_t block_word(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+
+// Sub-block j's 6-bit scale and min in a Q4_K / Q5_K block's 12 bytes: j < 4 in the low six bits
+// of bytes j and j + 4; j >= 4 in the nibbles of byte j + 4, topped by the high two bits of bytes
+// j - 4 and j.
+inline void k_scale_min(const uint8_t* scales, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = scales[j] & 63;
+    *min = scales[j + 4] & 63;
+  } else {
+    *scale = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4);
+    *min = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
   }
 }
 
-// Activation rows quantized for the products: row r's block i = r * blocks + b is
-// q[i * 32 ...] (int8) times scale_sum[2i]; scale_sum[2i + 1] is the sum of the block's quantized
-// values, scale times the sum of q (Q4_1's offsets m multiply it). Side by side, one 8-byte load
-// reads both. The quantized sum, not the exact one: then a Q4_1 product is the dot product of the
-// weights w = d q + m with the quantized activations, and its error sums w_j (x'_j - x_j), whose
-// weights are centred on zero; with the exact sum it would sum d q_j (x'_j - x_j), whose weights
-// are not, and the product's error nearly doubles.
+// One chunk of 32 weights: weight j = scale[j / 16] * code[j] + offset.
+struct WeightChunk {
+  int8_t code[kQuantBlock];
+  float scale[2];
+  float offset;
+};
+
+// The scales and offset of chunk c of a block (the formats' definition, shared by every kernel).
+inline void chunk_scales(QuantFormat f, const uint8_t* block, int c, float* scale_low, float* scale_high,
+                         float* offset) {
+  *offset = 0.f;
+  switch (f) {
+    case QuantFormat::kQ4_1:
+    case QuantFormat::kQ5_1:
+      *offset = block_half(block + 2);
+      [[fallthrough]];
+    case QuantFormat::kQ4_0:
+    case QuantFormat::kQ8_0:
+    case QuantFormat::kQ5_0:
+      *scale_low = *scale_high = block_half(block);
+      return;
+    case QuantFormat::kQ4_K:
+    case QuantFormat::kQ5_K: {
+      int sc, m;
+      k_scale_min(block + 4, c, &sc, &m);
+      *scale_low = *scale_high = block_half(block) * float(sc);
+      *offset = -block_half(block + 2) * float(m);
+      return;
+    }
+    case QuantFormat::kQ6_K: {
+      // Chunk c = 4h + k reads scales 8h + 2k (its first 16 weights) and 8h + 2k + 1.
+      const auto* sc = reinterpret_cast<const int8_t*>(block + 192) + 8 * (c / 4) + 2 * (c % 4);
+      const float d = block_half(block + 208);
+      *scale_low = d * float(sc[0]);
+      *scale_high = d * float(sc[1]);
+      return;
+    }
+  }
+}
+
+// Chunk c's 32 codes. Q4_K / Q5_K: chunk c's weights are the low (c even) or high nibbles of bytes
+// 16 + 32 (c / 2) ... of the nibbles, Q5_K's fifth bit bit c of the 32 high-bit bytes. Q6_K: the
+// 256 weights are two halves of 128; in half h, chunk k (c = 4h + k) takes the low (k < 2) or high
+// nibbles of ql[64h + 32 (k % 2) + l] and bits 2k, 2k + 1 of qh[32h + l].
+inline void chunk_codes(QuantFormat f, const uint8_t* block, int c, int8_t* code) {
+  switch (f) {
+    case QuantFormat::kQ8_0:
+      std::memcpy(code, block + 2, kQuantBlock);
+      return;
+    case QuantFormat::kQ4_0:
+    case QuantFormat::kQ4_1: {
+      const uint8_t* nibbles = block + (f == QuantFormat::kQ4_1 ? 4 : 2);
+      const int centre = f == QuantFormat::kQ4_0 ? 8 : 0;
+      for (int j = 0; j < 16; ++j) {
+        code[j] = int8_t((nibbles[j] & 0xF) - centre);
+        code[j + 16] = int8_t((nibbles[j] >> 4) - centre);
+      }
+      return;
+    }
+    case QuantFormat::kQ5_0:
+    case QuantFormat::kQ5_1: {
+      const int header = f == QuantFormat::kQ5_1 ? 4 : 2;
+      const uint32_t high = block_word(block + header);
+      const uint8_t* nibbles = block + header + 4;
+      const int centre = f == QuantFormat::kQ5_0 ? 16 : 0;
+      for (int j = 0; j < 16; ++j) {
+        code[j] = int8_t(((nibbles[j] & 0xF) | (((high >> j) & 1) << 4)) - centre);
+        code[j + 16] = int8_t(((nibbles[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) - centre);
+      }
+      return;
+    }
+    case QuantFormat::kQ4_K:
+    case QuantFormat::kQ5_K: {
+      const bool five = f == QuantFormat::kQ5_K;
+      const uint8_t* nibbles = block + (five ? 48 : 16) + 32 * (c / 2);
+      const uint8_t* high = block + 16;
+      const int shift = 4 * (c % 2);
+      for (int l = 0; l < 32; ++l) {
+        code[l] = int8_t(((nibbles[l] >> shift) & 0xF) | (five ? ((high[l] >> c) & 1) << 4 : 0));
+      }
+      return;
+    }
+    case QuantFormat::kQ6_K: {
+      const int h = c / 4, k = c % 4;
+      const uint8_t* low = block + 64 * h + 32 * (k % 2);
+      const uint8_t* high = block + 128 + 32 * h;
+      for (int l = 0; l < 32; ++l) {
+        code[l] = int8_t((((low[l] >> (4 * (k / 2))) & 0xF) | (((high[l] >> (2 * k)) & 3) << 4)) - 32);
+      }
+      return;
+    }
+  }
+}
+
+inline void decode_chunk(QuantFormat f, const uint8_t* block, int c, WeightChunk* chunk) {
+  chunk_codes(f, block, c, chunk->code);
+  chunk_scales(f, block, c, &chunk->scale[0], &chunk->scale[1], &chunk->offset);
+}
+
+// Chunk c of a block as float32 (the formats' definition; the many-row path and the embedding
+// use it where no intrinsics do).
+inline void dequantize_chunk(QuantFormat f, const uint8_t* block, int c, float* out) {
+  WeightChunk chunk;
+  decode_chunk(f, block, c, &chunk);
+  for (int j = 0; j < kQuantBlock; ++j) out[j] = chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset;
+}
+
+// Activation rows quantized for the products: row r's chunk i = r * blocks + b is
+// q[i * 32 ...] (int8) times scale_sum[2i]; scale_sum[2i + 1] is the sum of the chunk's quantized
+// values, scale times the sum of q (the offsets multiply it). Side by side, one 8-byte load
+// reads both. The quantized sum, not the exact one: then a product with offsets is the dot product
+// of the weights w = d q + m with the quantized activations, and its error sums w_j (x'_j - x_j),
+// whose weights are centred on zero; with the exact sum it would sum d q_j (x'_j - x_j), whose
+// weights are not, and the product's error nearly doubles.
 struct QuantizedRows {
   const int8_t* q;
   const float* scale_sum;

@@ -83,12 +83,7 @@ KernelTable make_kernel_table(const char* isa) {
   fill_row_entries<V, bfloat16>(t, DType::kBFloat16);
   t.scale_logits = scale_logits<V>;
   t.packed_linear = packed_linear_panels<PackedLinearGeneric>;
-  t.quantized_linear[int(QuantFormat::kQ4_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_0>>;
-  t.quantized_linear[int(QuantFormat::kQ4_1)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ4_1>>;
-  t.quantized_linear[int(QuantFormat::kQ8_0)] = quantized_linear_rows<QuantDotGeneric<QuantFormat::kQ8_0>>;
-  t.dequantize_panel[int(QuantFormat::kQ4_0)] = dequantize_panel<QuantFormat::kQ4_0>;
-  t.dequantize_panel[int(QuantFormat::kQ4_1)] = dequantize_panel<QuantFormat::kQ4_1>;
-  t.dequantize_panel[int(QuantFormat::kQ8_0)] = dequantize_panel<QuantFormat::kQ8_0>;
+  fill_quantized_entries(t, std::make_integer_sequence<int, kNumQuantFormats>{});
   return t;
 }
 

@@ -1,7 +1,7 @@
 // quantized_linear on the CPU: out = input @ weight^T for a weight in GGUF blocks
-// (gguf_blocks.h), from input rows quantized to int8 per 32-block, as llama.cpp's CPU backend
+// (gguf_blocks.h), from input rows quantized to int8 per 32-chunk, as llama.cpp's CPU backend
 // multiplies them. Decode reads each weight byte once: a 4-bit format is a quarter of bfloat16's
-// bytes. The loop over output features and row tiles is written once; the block dot products
+// bytes. The loop over output features and row tiles is written once; the chunk dot products
 // are plain C++ here, and intrinsics in quantized_linear_avx2.h. Included by kernels.h, inside
 // each instruction set's translation unit: everything sits in an unnamed namespace.
 #pragma once
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
@@ -47,60 +48,44 @@ void quantized_linear_rows(void* out, bool out_is_float32, const QuantizedRows& 
   }
 }
 
-// One block's 32 weight codes as the int8 products use them: q - 8 for Q4_0, the nibble for
-// Q4_1 (its offset m is applied through the activations' block sum), the byte for Q8_0.
-template <QuantFormat F>
-inline void block_codes(const uint8_t* block, int32_t* codes) {
-  if constexpr (F == QuantFormat::kQ8_0) {
-    for (int j = 0; j < 32; ++j) codes[j] = int8_t(block[2 + j]);
-  } else {
-    const uint8_t* nibbles = block + (F == QuantFormat::kQ4_1 ? 4 : 2);
-    const int32_t offset = F == QuantFormat::kQ4_0 ? 8 : 0;
-    for (int j = 0; j < 16; ++j) {
-      codes[j] = int32_t(nibbles[j] & 0xF) - offset;
-      codes[j + 16] = int32_t(nibbles[j] >> 4) - offset;
-    }
-  }
-}
-
 template <QuantFormat F>
 struct QuantDotGeneric {
   template <int kRows>
   static void run(const uint8_t* w, const QuantizedRows& x, int64_t r0, float* sums) {
-    const int64_t bytes = quant_block_bytes(F);
+    constexpr int64_t kChunks = quant_block_chunks(F);
     float acc[kRows] = {};
-    int32_t codes[32];
-    for (int64_t b = 0; b < x.blocks; ++b, w += bytes) {
-      block_codes<F>(w, codes);
-      const float d = block_half(w);
+    WeightChunk chunk;
+    for (int64_t b = 0; b < x.blocks; ++b) {
+      decode_chunk(F, w + b / kChunks * quant_block_bytes(F), int(b % kChunks), &chunk);
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = (r0 + r) * x.blocks + b;
         const int8_t* xq = x.q + i * kQuantBlock;
-        int32_t dot = 0;
-        for (int j = 0; j < 32; ++j) dot += codes[j] * int32_t(xq[j]);
-        acc[r] += d * x.scale_sum[2 * i] * float(dot);
-        if constexpr (F == QuantFormat::kQ4_1) acc[r] += block_half(w + 2) * x.scale_sum[2 * i + 1];
+        int32_t low = 0, high = 0;
+        for (int j = 0; j < 16; ++j) low += int32_t(chunk.code[j]) * int32_t(xq[j]);
+        for (int j = 16; j < 32; ++j) high += int32_t(chunk.code[j]) * int32_t(xq[j]);
+        acc[r] += x.scale_sum[2 * i] * (chunk.scale[0] * float(low) + chunk.scale[1] * float(high));
+        if constexpr (has_offset(F)) acc[r] += chunk.offset * x.scale_sum[2 * i + 1];
       }
     }
     for (int r = 0; r < kRows; ++r) sums[r] = acc[r];
   }
 };
 
-// DequantizePanelFn (kernel_table.h). Block by block down the panel's rows: each block's 16 pairs
-// land kPackedLinearPanel pairs apart, all within 3 KB that stay in L1 until the next block. The
+// DequantizePanelFn (kernel_table.h). Chunk by chunk down the panel's rows: each chunk's 16 pairs
+// land kPackedLinearPanel pairs apart, all within 3 KB that stay in L1 until the next chunk. The
 // values round to bfloat16 without from_float's NaN branch, so that the loop vectorises (a
 // block's scales are finite in any file a converter wrote).
 template <QuantFormat F>
 void dequantize_panel(const uint8_t* weight, int64_t row_bytes, int64_t out_features, int64_t panel, bfloat16* dst) {
-  constexpr int64_t kPanel = kPackedLinearPanel;
-  const int64_t bytes = quant_block_bytes(F), blocks = row_bytes / bytes;
+  constexpr int64_t kPanel = kPackedLinearPanel, kChunks = quant_block_chunks(F), kBytes = quant_block_bytes(F);
+  const int64_t chunks = row_bytes / kBytes * kChunks;
   const int64_t first = panel * kPanel, width = std::min<int64_t>(kPanel, out_features - first);
   auto* pairs = reinterpret_cast<uint32_t*>(dst);  // pairs[k / 2][j]: values k and k + 1 of row j
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < chunks; ++b) {
     uint32_t* block_pairs = pairs + b * (kQuantBlock / 2) * kPanel;
     for (int64_t j = 0; j < kPanel; ++j) {
       float values[kQuantBlock] = {};
-      if (j < width) dequantize_block(F, weight + (first + j) * row_bytes + b * bytes, values);
+      if (j < width) dequantize_chunk(F, weight + (first + j) * row_bytes + b / kChunks * kBytes, int(b % kChunks), values);
       uint32_t rounded[kQuantBlock];
       for (int k = 0; k < kQuantBlock; ++k) {
         uint32_t u;
@@ -112,6 +97,13 @@ void dequantize_panel(const uint8_t* weight, int64_t row_bytes, int64_t out_feat
       }
     }
   }
+}
+
+// The plain C++ entries of every format.
+template <int... kFormats>
+void fill_quantized_entries(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotGeneric<QuantFormat(kFormats)>>), ...);
+  ((t.dequantize_panel[kFormats] = dequantize_panel<QuantFormat(kFormats)>), ...);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-// quantized_linear's block dot products in AVX2 integer ops: the block's codes and the input
-// block's int8 values multiply into 16-bit pair sums (vpmaddubsw, whose first operand is
-// unsigned: Q4_1's nibbles as they are, or the signed formats' |w| against x carrying w's sign)
-// and 32-bit sums (vpmaddwd), scaled into float accumulators once per block.
+// quantized_linear's chunk dot products in AVX2 integer ops: a chunk's 32 codes, unpacked in
+// registers, and the input chunk's int8 values multiply into 16-bit pair sums (vpmaddubsw, whose
+// first operand is unsigned: the offset formats' codes as they are, or the centred formats' |w|
+// against x carrying w's sign) and 32-bit sums (vpmaddwd), scaled into float accumulators once
+// per chunk (per half chunk for Q6_K's 16-weight scales).
 // Include only inside a translation unit compiled for AVX2 + FMA + F16C, after kernels.h.
 #pragma once
 
@@ -9,33 +10,71 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "kvflow/cpu/gguf_blocks.h"
 
 namespace kvflow::cpu {
 namespace {
 
+// Thirty-two bits as 32 bytes: byte j is 0x10 where bit j is set (the 5-bit formats' fifth bits).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int32_t(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// 32 bytes shifted right by n bits within each byte's 16-bit pair (callers mask what they keep).
+inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+
 template <QuantFormat F>
 struct QuantDotAvx2 {
-  static constexpr int64_t kBytes = F == QuantFormat::kQ4_0 ? 18 : F == QuantFormat::kQ4_1 ? 20 : 34;
+  static constexpr int64_t kBytes = quant_block_bytes(F), kChunks = quant_block_chunks(F);
   // The stream of weight rows, asked for this far ahead (as small_linear streams its rows).
   static constexpr int64_t kAheadBytes = 2048;
 
-  static __m256i codes(const uint8_t* block) {
+  // Chunk c's 32 codes (gguf_blocks.h's chunk_codes), centred for the formats without offsets.
+  static __m256i codes(const uint8_t* block, int c) {
+    const __m256i low4 = _mm256_set1_epi8(0xF);
     if constexpr (F == QuantFormat::kQ8_0) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == QuantFormat::kQ4_1 ? 4 : 2)));
-      const __m128i mask = _mm_set1_epi8(0xF);
-      const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
-      return F == QuantFormat::kQ4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+    } else if constexpr (!is_k_quant(F)) {
+      constexpr int kHeader = F == QuantFormat::kQ4_0 ? 2 : F == QuantFormat::kQ4_1 ? 4 : F == QuantFormat::kQ5_0 ? 6 : 8;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHeader));
+      __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low4);
+      if constexpr (F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1) {
+        q = _mm256_or_si256(q, fifth_bits(block_word(block + kHeader - 4)));
+      }
+      if constexpr (F == QuantFormat::kQ4_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+      if constexpr (F == QuantFormat::kQ5_0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+      return q;
+    } else if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
+      constexpr int kNibbles = F == QuantFormat::kQ5_K ? 48 : 16;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kNibbles + 32 * (c / 2)));
+      __m256i q = _mm256_and_si256(shift_right(bytes, 4 * (c % 2)), low4);
+      if constexpr (F == QuantFormat::kQ5_K) {
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(shift_right(high, c), _mm256_set1_epi8(1)), 4));
+      }
+      return q;
+    } else {  // Q6_K
+      const int h = c / 4, k = c % 4;
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32 * (k % 2)));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
+      const __m256i q = _mm256_or_si256(
+          _mm256_and_si256(shift_right(low, 4 * (k / 2)), low4),
+          _mm256_slli_epi16(_mm256_and_si256(shift_right(high, 2 * k), _mm256_set1_epi8(3)), 4));
+      return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
     }
   }
 
-  // The block's eight 32-bit partial sums of codes * x, as float32.
+  // The chunk's eight 32-bit partial sums of codes * x, as float32: lanes 0-3 sum its first 16
+  // weights, lanes 4-7 its last 16.
   static __m256 dot(__m256i w, __m256i xq) {
     __m256i pairs;
-    if constexpr (F == QuantFormat::kQ4_1) {
+    if constexpr (has_offset(F)) {
       pairs = _mm256_maddubs_epi16(w, xq);
     } else {
       pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
@@ -49,44 +88,102 @@ struct QuantDotAvx2 {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
 
-  // [d, m] of a Q4_1 block, [d, x] of the others (the second lane unused).
-  static __m128 scales(const uint8_t* block) {
-    int32_t bits;
-    __builtin_memcpy(&bits, block, sizeof bits);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+  // [scale, offset] of chunk c (lane 1 unused without offsets), and the scale of its last 16
+  // weights where it differs (Q6_K). The K-quants' products take all eight at once (KScales).
+  static __m128 scales(const uint8_t* block, int c, float* high) {
+    if constexpr (!is_k_quant(F)) {
+      return _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(block_word(block))));
+    } else {
+      float low, offset;
+      chunk_scales(F, block, c, &low, high, &offset);
+      return _mm_setr_ps(low, offset, 0.f, 0.f);
+    }
+  }
+
+  // A K-quant block's eight chunks: their scales (Q6_K: of each chunk's first and last 16
+  // weights) and offsets, as gguf_blocks.h's chunk_scales defines them, decoded together.
+  struct KScales {
+    alignas(32) float low[8];
+    alignas(32) float high[8];
+    alignas(32) float offset[8];
+  };
+
+  static void k_scales(const uint8_t* block, KScales* s) {
+    if constexpr (F == QuantFormat::kQ6_K) {
+      const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(block_half_bits(block + 208)))));
+      // Even scales first, then odd: chunk c's halves are scales 2c and 2c + 1.
+      const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)),
+                                          _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+      const __m256 dv = _mm256_set1_ps(d);
+      _mm256_store_ps(s->low, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+      _mm256_store_ps(s->high, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+      _mm256_store_ps(s->offset, _mm256_setzero_ps());
+    } else {
+      // The 6-bit scales and mins (k_scale_min) four at a time in 32-bit words: chunks 0-3 in
+      // the low six bits of words 0 and 1; chunks 4-7 in word 2's nibbles, topped by the high
+      // two bits of words 0 and 1.
+      const uint32_t w0 = block_word(block + 4), w1 = block_word(block + 8), w2 = block_word(block + 12);
+      const uint32_t packed[4] = {w0 & 0x3f3f3f3fu, (w2 & 0x0f0f0f0fu) | ((w0 >> 2) & 0x30303030u),
+                                  w1 & 0x3f3f3f3fu, ((w2 >> 4) & 0x0f0f0f0fu) | ((w1 >> 2) & 0x30303030u)};
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+      const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(block_word(block))));
+      const __m256 d = _mm256_broadcastss_ps(dd), dmin = _mm256_broadcastss_ps(_mm_movehdup_ps(dd));
+      const __m256 low = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
+      _mm256_store_ps(s->low, low);
+      _mm256_store_ps(s->high, low);
+      _mm256_store_ps(s->offset, _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)))));
+    }
   }
 
   template <int kRows>
   static void run(const uint8_t* w, const QuantizedRows& x, int64_t r0, float* sums) {
-    // Two accumulators a row, even and odd blocks, so that one row is not bound by the latency
-    // of the FMA (nor, for Q4_1, of the offsets' adds: lane 1 of `offsets` gathers m * sum(x)).
+    // Two accumulators a row, even and odd chunks, so that one row is not bound by the latency
+    // of the FMA (nor, with offsets, of their adds: lane 1 of `offsets` gathers m * sum(x)).
     __m256 acc[kRows][2];
     __m128 offsets[kRows][2];
     for (int r = 0; r < kRows; ++r) {
       acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       offsets[r][0] = offsets[r][1] = _mm_setzero_ps();
     }
-    auto block = [&](int64_t b, int chain) {
-      const uint8_t* wb = w + b * kBytes;
-      __builtin_prefetch(wb + kAheadBytes, 0, 2);
-      const __m256i q = codes(wb);
-      const __m128 dm = scales(wb);
+    // Chunk b of the row, its codes q, [scale, offset] dm, and (Q6_K) the scale of its last 16.
+    auto chunk = [&](int64_t b, __m256i q, __m128 dm, float high, int chain) {
       for (int r = 0; r < kRows; ++r) {
         const int64_t i = (r0 + r) * x.blocks + b;
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kQuantBlock));
         // [d * scale, m * sum]
         const __m128 products =
             _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(x.scale_sum + 2 * i))));
-        acc[r][chain] = _mm256_fmadd_ps(_mm256_broadcastss_ps(products), dot(q, xq), acc[r][chain]);
-        if constexpr (F == QuantFormat::kQ4_1) offsets[r][chain] = _mm_add_ps(offsets[r][chain], products);
+        __m256 scale = _mm256_broadcastss_ps(products);
+        if constexpr (F == QuantFormat::kQ6_K) {
+          scale = _mm256_insertf128_ps(scale, _mm_set1_ps(high * x.scale_sum[2 * i]), 1);
+        }
+        acc[r][chain] = _mm256_fmadd_ps(scale, dot(q, xq), acc[r][chain]);
+        if constexpr (has_offset(F)) offsets[r][chain] = _mm_add_ps(offsets[r][chain], products);
       }
     };
-    int64_t b = 0;
-    for (; b + 2 <= x.blocks; b += 2) {
-      block(b, 0);
-      block(b + 1, 1);
+    if constexpr (kChunks == 1) {
+      float unused;
+      int64_t b = 0;
+      for (; b + 2 <= x.blocks; b += 2) {
+        const uint8_t* wb = w + b * kBytes;
+        __builtin_prefetch(wb + kAheadBytes, 0, 2);
+        chunk(b, codes(wb, 0), scales(wb, 0, &unused), 0.f, 0);
+        chunk(b + 1, codes(wb + kBytes, 0), scales(wb + kBytes, 0, &unused), 0.f, 1);
+      }
+      if (b < x.blocks) chunk(b, codes(w + b * kBytes, 0), scales(w + b * kBytes, 0, &unused), 0.f, 0);
+    } else {
+      KScales s;
+      for (int64_t block = 0; block < x.blocks / kChunks; ++block) {
+        const uint8_t* wb = w + block * kBytes;
+        for (int64_t line = 0; line < kBytes; line += 64) __builtin_prefetch(wb + kAheadBytes + line, 0, 2);
+        k_scales(wb, &s);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+          chunk(block * kChunks + c, codes(wb, c), _mm_setr_ps(s.low[c], s.offset[c], 0.f, 0.f), s.high[c], c % 2);
+        }
+      }
     }
-    if (b < x.blocks) block(b, 0);
     for (int r = 0; r < kRows; ++r) {
       const __m128 offset = _mm_add_ps(offsets[r][0], offsets[r][1]);
       sums[r] = reduce(_mm256_add_ps(acc[r][0], acc[r][1])) + _mm_cvtss_f32(_mm_shuffle_ps(offset, offset, 1));
@@ -113,7 +210,7 @@ inline void transpose_8x8_epi32(__m256i r[8]) {
   }
 }
 
-// DequantizePanelFn (kernel_table.h) in AVX2: eight rows of a block at a time, each row's 32
+// DequantizePanelFn (kernel_table.h) in AVX2: eight rows of a chunk at a time, each row's 32
 // values dequantized in registers, rounded to bfloat16 and paired (values k and k + 1 in one
 // 32-bit word), then the 8 rows x 16 pairs transposed so that each pair of the 8 rows is one
 // 32-byte store.
@@ -122,7 +219,7 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
                            bfloat16* dst) {
   using Dot = QuantDotAvx2<F>;
   constexpr int64_t kPanel = kPackedLinearPanel;
-  const int64_t blocks = row_bytes / Dot::kBytes;
+  const int64_t chunks = row_bytes / Dot::kBytes * Dot::kChunks;
   const int64_t first = panel * kPanel, width = std::min<int64_t>(kPanel, out_features - first);
   auto* pairs = reinterpret_cast<uint32_t*>(dst);  // pairs[k / 2][j]: values k and k + 1 of row j
   const __m256i round_bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
@@ -132,7 +229,7 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(round_bias, odd)), 16);
   };
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < chunks; ++b) {
     uint32_t* block_pairs = pairs + b * (kQuantBlock / 2) * kPanel;
     for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
       __m256i low[8], high[8];  // per row: pairs 0-7, pairs 8-15
@@ -141,17 +238,20 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
           low[r] = high[r] = _mm256_setzero_si256();
           continue;
         }
-        const uint8_t* block = weight + (first + j0 + r) * row_bytes + b * Dot::kBytes;
-        const __m256i q = Dot::codes(block);
-        const __m128 dm = Dot::scales(block);
-        const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(dm));
-        const __m256 m = F == QuantFormat::kQ4_1 ? _mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1)))
-                                                 : _mm256_setzero_ps();
+        const uint8_t* block = weight + (first + j0 + r) * row_bytes + b / Dot::kChunks * Dot::kBytes;
+        const int c = int(b % Dot::kChunks);
+        const __m256i q = Dot::codes(block, c);
+        float scale_high;
+        const __m128 dm = Dot::scales(block, c, &scale_high);
+        const __m256 d_low = _mm256_set1_ps(_mm_cvtss_f32(dm));
+        const __m256 d_high = F == QuantFormat::kQ6_K ? _mm256_set1_ps(scale_high) : d_low;
+        const __m256 m = has_offset(F) ? _mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1))) : _mm256_setzero_ps();
         const __m128i q_low = _mm256_castsi256_si128(q), q_high = _mm256_extracti128_si256(q, 1);
-        const __m128i chunks[4] = {q_low, _mm_srli_si128(q_low, 8), q_high, _mm_srli_si128(q_high, 8)};
+        const __m128i eights[4] = {q_low, _mm_srli_si128(q_low, 8), q_high, _mm_srli_si128(q_high, 8)};
         __m256i bits[4];
-        for (int c = 0; c < 4; ++c) {
-          bits[c] = bfloat16_bits(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(chunks[c])), d, m));
+        for (int e = 0; e < 4; ++e) {
+          const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eights[e]));
+          bits[e] = bfloat16_bits(_mm256_fmadd_ps(values, e < 2 ? d_low : d_high, m));
         }
         // packus interleaves the 128-bit lanes: 64-bit chunks come out as pairs 0-1, 4-5, 2-3, 6-7.
         low[r] = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits[0], bits[1]), 0xD8);
@@ -165,6 +265,13 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
       }
     }
   }
+}
+
+// The AVX2 entries of every format.
+template <int... kFormats>
+void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotAvx2<QuantFormat(kFormats)>>), ...);
+  ((t.dequantize_panel[kFormats] = dequantize_panel_avx2<QuantFormat(kFormats)>), ...);
 }
 
 }  // namespace
