@@ -114,23 +114,22 @@ struct QuantizedInput {
 
   // Rows [begin, end) of input; `row` is scratch of in_features floats.
   void quantize(const at::Tensor& input, int64_t begin, int64_t end, float* row) {
+    const QuantizeActivationsFn* kernels = active_kernels().quantize_activations;
     const int64_t in_features = blocks * kQuantBlock, stride = input.stride(0);
     const bool is_float32 = input.scalar_type() == at::kFloat;
     for (int64_t r = begin; r < end; ++r) {
-      const float* values;
-      if (is_float32 && input.stride(1) == 1) {
-        values = input.data_ptr<float>() + r * stride;
-      } else {
-        for (int64_t k = 0; k < in_features; ++k) {
-          row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
-                              : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
-        }
-        values = row;
+      int8_t* codes = q.data() + r * blocks * kQuantBlock;
+      float* scales = &scale_sum[size_t(2 * r * blocks)];
+      if (input.stride(1) == 1) {
+        const char* values = static_cast<const char*>(input.data_ptr()) + r * stride * input.element_size();
+        kernels[is_float32 ? 0 : 1](values, blocks, codes, scales);
+        continue;
       }
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t i = r * blocks + b;
-        quantize_activation_block(values + b * kQuantBlock, q.data() + i * kQuantBlock, &scale_sum[size_t(2 * i)]);
+      for (int64_t k = 0; k < in_features; ++k) {
+        row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
+                            : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
       }
+      kernels[0](row, blocks, codes, scales);
     }
   }
 

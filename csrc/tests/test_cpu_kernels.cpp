@@ -167,6 +167,40 @@ KVFLOW_TEST(activation_ties_round_to_even) {
   for (int i = 0; i < 7; ++i) KVFLOW_CHECK(q[size_t(i + 1)] == expected[i]);
 }
 
+// Every instruction set's quantize_activations gives quantize_activation_block's codes and
+// scales bit for bit, from float32 and from bfloat16: random chunks, halfway values (bfloat16's
+// many ties), a zero chunk, and chunks of very different magnitudes.
+KVFLOW_TEST(quantize_activations_match_the_definition) {
+  const int64_t chunks = 6;
+  auto x = random_floats(size_t(chunks * kQuantBlock), 31);
+  for (int j = 0; j < kQuantBlock; ++j) x[size_t(kQuantBlock + j)] = 0.f;
+  for (int j = 0; j < kQuantBlock; ++j) x[size_t(2 * kQuantBlock + j)] = float(j - 15) + 0.5f;  // ties at amax 16.5
+  for (int j = 0; j < kQuantBlock; ++j) x[size_t(3 * kQuantBlock + j)] *= 1e-6f;
+  std::vector<bfloat16> x_bf16(x.size());
+  for (size_t i = 0; i < x.size(); ++i) x_bf16[i] = from_float<bfloat16>(x[i]);
+  for (int is_bf16 = 0; is_bf16 < 2; ++is_bf16) {
+    std::vector<int8_t> expected_q(x.size());
+    std::vector<float> expected_scales(size_t(2 * chunks));
+    for (int64_t c = 0; c < chunks; ++c) {
+      float chunk[kQuantBlock];
+      for (int j = 0; j < kQuantBlock; ++j) {
+        const size_t i = size_t(c * kQuantBlock + j);
+        chunk[j] = is_bf16 ? to_float(x_bf16[i]) : x[i];
+      }
+      quantize_activation_block(chunk, expected_q.data() + c * kQuantBlock, expected_scales.data() + 2 * c);
+    }
+    for (const std::string& isa : supported_isas()) {
+      std::vector<int8_t> q(x.size(), 99);
+      std::vector<float> scales(size_t(2 * chunks), -1.f);
+      const void* input = is_bf16 ? static_cast<const void*>(x_bf16.data()) : static_cast<const void*>(x.data());
+      table_named(isa).quantize_activations[is_bf16](input, chunks, q.data(), scales.data());
+      KVFLOW_CHECK(q == expected_q);
+      KVFLOW_CHECK(std::memcmp(scales.data(), expected_scales.data(), scales.size() * sizeof(float)) == 0);
+    }
+  }
+  set_isa(supported_isas().back());
+}
+
 // Every instruction set's quantized_linear against a plain loop over dequantize_chunk and the
 // activations as quantized, for each format: equal up to float32 accumulation.
 KVFLOW_TEST(quantized_linear_matches_dequantized_blocks) {

@@ -163,6 +163,11 @@ using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features]
                                    int64_t row_bytes, const float* bias,  // [out_features] or null
                                    int64_t rows, int64_t out_features, int64_t begin, int64_t end);
 
+// Quantizes `chunks` chunks of 32 contiguous activations (float32, or bfloat16 for entry 1) as
+// quantize_activation_block (gguf_blocks.h) does, bit for bit: codes q [chunks * 32] and
+// scale_sum [2 * chunks].
+using QuantizeActivationsFn = void (*)(const void* x, int64_t chunks, int8_t* q, float* scale_sum);
+
 // Panel `panel` of a weight in GGUF blocks of the entry's format (rows [out_features, row_bytes]),
 // dequantized and rounded to bfloat16 into pack_linear_weight's layout (without gate_up), zero
 // past the last feature: dst [row_bytes / block bytes * 16][kPackedLinearPanel][2]. quantized_linear
@@ -191,6 +196,7 @@ struct KernelTable {
   PackedLinearFn packed_linear;  // bfloat16 weights only
   QuantizedLinearFn quantized_linear[kNumQuantFormats];  // [QuantFormat]
   DequantizePanelFn dequantize_panel[kNumQuantFormats];  // [QuantFormat]
+  QuantizeActivationsFn quantize_activations[2];         // [input is bfloat16]
 };
 
 // Index of a supported attention head_dim in KernelTable::paged_attention, or -1.

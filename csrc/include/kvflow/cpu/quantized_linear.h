@@ -99,9 +99,22 @@ void dequantize_panel(const uint8_t* weight, int64_t row_bytes, int64_t out_feat
   }
 }
 
+// QuantizeActivationsFn (kernel_table.h) in plain C++.
+template <typename T>
+void quantize_activations(const void* x, int64_t chunks, int8_t* q, float* scale_sum) {
+  const T* values = static_cast<const T*>(x);
+  float chunk[kQuantBlock];
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int j = 0; j < kQuantBlock; ++j) chunk[j] = to_float(values[c * kQuantBlock + j]);
+    quantize_activation_block(chunk, q + c * kQuantBlock, scale_sum + 2 * c);
+  }
+}
+
 // The plain C++ entries of every format.
 template <int... kFormats>
 void fill_quantized_entries(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  t.quantize_activations[0] = quantize_activations<float>;
+  t.quantize_activations[1] = quantize_activations<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotGeneric<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel<QuantFormat(kFormats)>), ...);
 }

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "kvflow/cpu/gguf_blocks.h"
@@ -267,9 +268,60 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
   }
 }
 
+// QuantizeActivationsFn (kernel_table.h) in AVX2: the same float32 operations as
+// quantize_activation_block (127 x, divided by max|x|, rounded to nearest even), eight at a time.
+template <typename T>
+void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* scale_sum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), c127 = _mm256_set1_ps(127.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (std::is_same_v<T, float>) {
+        v[k] = _mm256_loadu_ps(static_cast<const float*>(x) + c * kQuantBlock + 8 * k);
+      } else {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const bfloat16*>(x) +
+                                                                              c * kQuantBlock + 8 * k));
+        v[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      }
+    }
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                             _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    int8_t* codes = q + c * kQuantBlock;
+    if (!(amax > 0.f)) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_setzero_si256());
+      scale_sum[2 * c] = amax / 127.f;
+      scale_sum[2 * c + 1] = 0.f;
+      continue;
+    }
+    const __m256 divisor = _mm256_set1_ps(amax);
+    __m256i ints[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 scaled = _mm256_div_ps(_mm256_mul_ps(v[k], c127), divisor);
+      ints[k] = _mm256_cvtps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // packs works within 128-bit lanes: the bytes come out in the order of 32-bit groups
+    // 0, 2, 4, 6, 1, 3, 5, 7, which one permute puts back.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    const float d = amax / 127.f;
+    scale_sum[2 * c] = d;
+    scale_sum[2 * c + 1] = d * float(_mm_cvtsi128_si32(sum4));
+  }
+}
+
 // The AVX2 entries of every format.
 template <int... kFormats>
 void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  t.quantize_activations[0] = quantize_activations_avx2<float>;
+  t.quantize_activations[1] = quantize_activations_avx2<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotAvx2<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel_avx2<QuantFormat(kFormats)>), ...);
 }
