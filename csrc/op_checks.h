@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/numeric.h"
 
 namespace kvflow {
@@ -441,6 +442,79 @@ inline EmbeddingGeometry check_embedding_args(const at::Tensor& out, const at::T
               "out must be a contiguous [", token_ids.size(0), ", ", weight.size(1), "] tensor, got shape ",
               out.sizes());
   return {token_ids.size(0), weight.size(0), weight.size(1) * weight.element_size()};
+}
+
+struct QuantizedLinearGeometry {
+  cpu::QuantFormat format;
+  int64_t rows, in_features, out_features, row_bytes;
+};
+
+inline void check_float_or_bfloat16(const at::Tensor& t, const char* name, c10::DeviceType device) {
+  check_device_type(t, name, device);
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+// A weight in GGUF blocks of ggml_type: a contiguous uint8 [rows, row bytes] of whole blocks.
+// Returns the format and the values a row holds.
+inline std::pair<cpu::QuantFormat, int64_t> check_quantized_weight(const char* op, const at::Tensor& weight,
+                                                                   int64_t ggml_type, const char* rows_name,
+                                                                   c10::DeviceType device) {
+  const int format = cpu::quant_format_of(ggml_type);
+  TORCH_CHECK(format >= 0, op, " runs GGML types ", cpu::kQuantTypesText, ", got type ", ggml_type);
+  check_device_type(weight, "weight", device);
+  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [", rows_name,
+              ", row bytes] tensor, got shape ", weight.sizes());
+  const int64_t block_bytes = cpu::quant_block_bytes(cpu::QuantFormat(format)), row_bytes = weight.size(1);
+  TORCH_CHECK(row_bytes % block_bytes == 0, "weight rows of GGML type ", ggml_type, " are whole ", block_bytes,
+              "-byte blocks, got ", row_bytes, " bytes a row");
+  return {cpu::QuantFormat(format), row_bytes / block_bytes * cpu::quant_block_values(cpu::QuantFormat(format))};
+}
+
+// out [rows, out_features] = input [rows, in_features] @ W^T (+ bias [out_features]), W in GGUF
+// blocks (check_quantized_weight); input, out and bias float32 or bfloat16, out contiguous.
+inline QuantizedLinearGeometry check_quantized_linear_args(const at::Tensor& out, const at::Tensor& input,
+                                                           const at::Tensor& weight, int64_t ggml_type,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           c10::DeviceType device) {
+  const auto [format, in_features] = check_quantized_weight("quantized_linear", weight, ggml_type, "out_features", device);
+  check_float_or_bfloat16(input, "input", device);
+  check_float_or_bfloat16(out, "out", device);
+  const int64_t block_values = cpu::quant_block_values(format), out_features = weight.size(0);
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == in_features, "input must be [rows, ", in_features,
+              "] (the weight's ", in_features / block_values, " blocks of ", block_values, " a row), got shape ",
+              input.sizes());
+  const int64_t rows = input.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
+              "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
+  if (bias.has_value()) {
+    check_float_or_bfloat16(*bias, "bias", device);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
+                bias->sizes());
+  }
+  return {format, rows, in_features, out_features, weight.size(1)};
+}
+
+struct QuantizedEmbeddingGeometry {
+  cpu::QuantFormat format;
+  int64_t num_tokens, vocab_size, row_bytes, hidden;
+  DType out_dtype;
+};
+
+// out [num_tokens, hidden] = the rows of a table in GGUF blocks that token_ids (int64) name.
+inline QuantizedEmbeddingGeometry check_quantized_embedding_args(const at::Tensor& out, const at::Tensor& token_ids,
+                                                                 const at::Tensor& weight, int64_t ggml_type,
+                                                                 c10::DeviceType device) {
+  const auto [format, hidden] = check_quantized_weight("quantized_embedding", weight, ggml_type, "vocab_size", device);
+  const DType out_dtype = kernel_dtype(out, "out");
+  check_device_type(out, "out", device);
+  check_index_tensor(token_ids, "token_ids", at::kLong, weight);
+  TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),
+              "out must be a contiguous [", token_ids.size(0), ", ", hidden, "] tensor, got shape ", out.sizes());
+  return {format, token_ids.size(0), weight.size(0), weight.size(1), hidden, out_dtype};
 }
 
 }  // namespace kvflow

@@ -37,22 +37,6 @@ void packed_silu_and_mul(at::Tensor& out,                    // [rows, d] bfloat
                          const at::Tensor& input,            // [rows, in_features] bfloat16
                          const at::Tensor& packed_gate_up);  // pack_linear_weight(weight [2d, in_features], true)
 
-// CPU only (for now): out = input @ weight^T (+ bias) for a weight kept in GGUF blocks,
-// weight [out_features, in_features / 32 * block bytes] uint8 as the file stores it, of GGML type
-// ggml_type (Q4_0 2, Q4_1 3, Q8_0 8); input float32 or bfloat16, quantized to int8 per
-// 32-block on the way in; out float32 or bfloat16.
-void quantized_linear(at::Tensor& out,                        // [rows, out_features]
-                      const at::Tensor& input,                // [rows, in_features]
-                      const at::Tensor& weight,               // [out_features, row bytes] uint8
-                      int64_t ggml_type,
-                      const std::optional<at::Tensor>& bias);  // [out_features]
-
-// CPU only (for now): the embedding lookup on a table kept in GGUF blocks (types as for
-// quantized_linear), each row dequantized into out's dtype and times scale.
-void quantized_embedding(at::Tensor& out,              // [num_tokens, hidden]
-                         const at::Tensor& token_ids,  // [num_tokens] int64
-                         const at::Tensor& weight,     // [vocab_size, row bytes] uint8
-                         int64_t ggml_type, double scale);
 }  // namespace kvflow::cpu
 
 #ifdef KVFLOW_WITH_CUDA

@@ -75,10 +75,10 @@ TORCH_LIBRARY(kvflow, m) {
   // out = silu(input @ gate^T) * (input @ up^T) from pack_linear_weight(weight, gate_up=True). CPU only.
   m.def("packed_silu_and_mul(Tensor! out, Tensor input, Tensor packed_gate_up) -> ()");
   // out = input @ weight^T (+ bias), weight in GGUF blocks of GGML type ggml_type (Q4_0, Q4_1,
-  // Q8_0), uint8 [out_features, row bytes] as the file stores it. CPU only.
+  // Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), uint8 [out_features, row bytes] as the file stores it.
   m.def("quantized_linear(Tensor! out, Tensor input, Tensor weight, int ggml_type, Tensor? bias=None) -> ()");
   // The rows of a table in GGUF blocks (types as quantized_linear) that token_ids name, dequantized
-  // into out's dtype, times scale. CPU only.
+  // into out's dtype, times scale.
   m.def("quantized_embedding(Tensor! out, Tensor token_ids, Tensor weight, int ggml_type, float scale=1.0) -> ()");
 }
 
@@ -125,6 +125,8 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("apply_sampling_filters", &kvflow::cuda::apply_sampling_filters);
   m.impl("apply_penalties", &kvflow::cuda::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cuda::compute_logprobs);
+  m.impl("quantized_linear", &kvflow::cuda::quantized_linear);
+  m.impl("quantized_embedding", &kvflow::cuda::quantized_embedding);
 }
 #endif
 

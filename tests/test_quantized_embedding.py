@@ -51,3 +51,23 @@ def test_bad_arguments_are_named():
         ops.quantized_embedding(ids, table, GGML_Q8_0, out=torch.empty(2, 65))
     with pytest.raises(RuntimeError, match="out must be float32, float16 or bfloat16"):
         ops.quantized_embedding(ids, table, GGML_Q8_0, out=torch.empty(2, 64, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_quantized_embedding_dequantizes_the_rows():
+    """On CUDA the rows of every type are the gguf package's, scaled and rounded once; an id
+    outside the table gives a row of zeros (the engine checks ids on the host before they reach a
+    device)."""
+    for ggml_type in GGML_TYPE_NAMES:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            rng = np.random.default_rng(ggml_type)
+            hidden = 576 if BLOCK_VALUES[ggml_type] == 32 else 768
+            table = random_blocks(ggml_type, 300, hidden, rng)
+            ids = torch.tensor([5, 299, 0, 5, 300])
+            rows = quants.dequantize(table, GGMLQuantizationType[GGML_TYPE_NAMES[ggml_type]])[ids[:4].numpy()]
+            expected = (torch.from_numpy(rows).float() * 3.0).to(dtype)
+            actual = ops.quantized_embedding(ids.cuda(), torch.from_numpy(table).cuda(), ggml_type, scale=3.0,
+                                             out_dtype=dtype).cpu()
+            assert actual.dtype == dtype and actual.shape == (5, hidden)
+            assert torch.equal(actual[:4], expected), (ggml_type, dtype)
+            assert torch.all(actual[4] == 0)

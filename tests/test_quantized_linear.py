@@ -147,3 +147,30 @@ def test_quantized_linear_rejects_bad_input():
         ops.quantized_linear(x, weight, GGML_Q4_1, out=torch.empty(2, 5))
     with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
         ops.quantized_linear(x, weight, GGML_Q4_1, bias=torch.zeros(3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_quantized_linear_matches_dequantized_product():
+    """On CUDA, every type, up to 8 rows multiply the weights dequantized in registers in float32;
+    more rows multiply a dequantized copy in out's dtype (bfloat16: each weight rounded, and the
+    bias added in bfloat16, a second rounding)."""
+    for ggml_type in ALL_TYPES:
+        for rows in (1, 3, 8, 40):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                rng = np.random.default_rng(ggml_type * 100 + rows)
+                in_features, out_features = shape(ggml_type, "model"), 130
+                weight = random_blocks(ggml_type, out_features, in_features, rng)
+                x = torch.randn(rows, in_features, dtype=torch.float64).bfloat16()
+                bias = torch.randn(out_features, dtype=torch.float64).bfloat16()
+                x64, w = x.double().numpy(), dequantized(weight, ggml_type)
+                expected = x64 @ w.T + bias.double().numpy()
+                actual = ops.quantized_linear(x.cuda(), torch.from_numpy(weight).cuda(), ggml_type, bias=bias.cuda(),
+                                              out_dtype=out_dtype).cpu()
+                assert actual.dtype == out_dtype and actual.shape == (rows, out_features)
+                mass = np.abs(x64) @ np.abs(w).T
+                rounded_weights = rows > 8 and out_dtype == torch.bfloat16
+                bound = ((2.0**-8 if rounded_weights else 0) + 1e-5) * mass + 1e-6
+                if out_dtype == torch.bfloat16:
+                    bound += (np.abs(expected) + bound) * 2.0**-8 * (2 if rounded_weights else 1)
+                error = np.abs(actual.double().numpy() - expected)
+                assert (error <= bound * 1.001).all(), (ggml_type, rows, out_dtype, np.max(error / bound))

@@ -12,33 +12,9 @@
 namespace kvflow::cpu {
 namespace {
 
-struct QuantizedEmbeddingGeometry {
-  QuantFormat format;
-  int64_t num_tokens, vocab_size, row_bytes, hidden;
-  DType out_dtype;
-};
-
 QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, const at::Tensor& token_ids,
                                                      const at::Tensor& weight, int64_t ggml_type) {
-  const int format = quant_format_of(ggml_type);
-  TORCH_CHECK(format >= 0, "quantized_embedding reads GGML types ", kQuantTypesText, ", got type ",
-              ggml_type);
-  check_device_type(weight, "weight", c10::DeviceType::CPU);
-  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [vocab_size, row bytes] "
-              "tensor, got shape ", weight.sizes());
-  const int64_t block_bytes = quant_block_bytes(QuantFormat(format)), row_bytes = weight.size(1);
-  TORCH_CHECK(row_bytes % block_bytes == 0, "weight rows of GGML type ", ggml_type, " are whole ", block_bytes,
-              "-byte blocks, got ", row_bytes, " bytes a row");
-  const DType out_dtype = kernel_dtype(out, "out");
-  check_device_type(out, "out", c10::DeviceType::CPU);
-  check_index_tensor(token_ids, "token_ids", at::kLong, weight);
-  TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
-  const int64_t hidden = row_bytes / block_bytes * quant_block_values(QuantFormat(format));
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),
-              "out must be a contiguous [", token_ids.size(0), ", ", hidden, "] tensor, got shape ", out.sizes());
-  return {QuantFormat(format), token_ids.size(0), weight.size(0), row_bytes, hidden, out_dtype};
+  return check_quantized_embedding_args(out, token_ids, weight, ggml_type, c10::DeviceType::CPU);
 }
 
 template <typename T>

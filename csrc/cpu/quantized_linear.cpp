@@ -26,13 +26,7 @@ constexpr int64_t kFeaturesPerTask = 64;
 // Rows from which bfloat16 input goes through dequantized panels (see docs/benchmarks.md).
 constexpr int64_t kPanelRows = 32;
 
-void check_float_or_bfloat16(const at::Tensor& t, const char* name) {
-  check_device_type(t, name, c10::DeviceType::CPU);
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
-}
-
-struct QuantizedLinearGeometry {
+struct QuantizedLinearPlan {
   int format;
   int64_t rows, chunks, row_bytes, out_features;  // chunks: of 32 input features
   bool out_is_float32;
@@ -41,39 +35,17 @@ struct QuantizedLinearGeometry {
   int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
 };
 
-QuantizedLinearGeometry check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
-                                               int64_t ggml_type, const std::optional<at::Tensor>& bias) {
-  const int format = quant_format_of(ggml_type);
-  TORCH_CHECK(format >= 0, "quantized_linear runs GGML types ", kQuantTypesText, ", got type ", ggml_type);
-  check_device_type(weight, "weight", c10::DeviceType::CPU);
-  TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",
-              weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [out_features, row bytes] "
-              "tensor, got shape ", weight.sizes());
-  check_float_or_bfloat16(input, "input");
-  check_float_or_bfloat16(out, "out");
-  const int64_t block_bytes = quant_block_bytes(QuantFormat(format));
-  const int64_t out_features = weight.size(0), row_bytes = weight.size(1);
-  TORCH_CHECK(row_bytes % block_bytes == 0, "weight rows of GGML type ", ggml_type, " are whole ", block_bytes,
-              "-byte blocks, got ", row_bytes, " bytes a row");
-  const int64_t blocks = row_bytes / block_bytes, block_values = quant_block_values(QuantFormat(format));
-  const int64_t in_features = blocks * block_values;
-  TORCH_CHECK(input.dim() == 2 && input.size(1) == in_features, "input must be [rows, ", in_features,
-              "] (the weight's ", blocks, " blocks of ", block_values, " a row), got shape ", input.sizes());
-  const int64_t rows = input.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
-              "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
-  if (bias.has_value()) {
-    check_float_or_bfloat16(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
-                bias->sizes());
-  }
-  const bool panels = rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
-  return {format, rows, in_features / kQuantBlock, row_bytes, out_features, out.scalar_type() == at::kFloat, panels};
+QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
+                                           int64_t ggml_type, const std::optional<at::Tensor>& bias) {
+  const QuantizedLinearGeometry g =
+      check_quantized_linear_args(out, input, weight, ggml_type, bias, c10::DeviceType::CPU);
+  const bool panels = g.rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
+  return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
+          out.scalar_type() == at::kFloat, panels};
 }
 
 // Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
-void multiply_panels(const QuantizedLinearGeometry& g, at::Tensor& out, const at::Tensor& input,
+void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Tensor& input,
                      const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch) {
   const KernelTable& kernels = active_kernels();
   const int64_t element = g.out_is_float32 ? 4 : 2;
@@ -165,7 +137,7 @@ class QuantizedLinearNode final : public OpNode {
   int64_t units(int) const override { return kShared; }
 
   void run(int phase, const Turn& turn) override {
-    const QuantizedLinearGeometry& g = geometry_;
+    const QuantizedLinearPlan& g = geometry_;
     if (g.panels) {
       if (phase == 0) return;
       const Range panels = share_of(g.num_panels(), 1, turn.team, turn.tid);
@@ -187,7 +159,7 @@ class QuantizedLinearNode final : public OpNode {
 
  private:
   at::Tensor out_, input_, weight_;
-  QuantizedLinearGeometry geometry_;
+  QuantizedLinearPlan geometry_;
   at::Tensor bias_;  // the int8 path's, float32, or undefined
   std::vector<bfloat16> bias_bfloat16_;  // the many-row path's, or empty
   QuantizedInput quantized_;
@@ -204,7 +176,7 @@ std::unique_ptr<OpNode> make_quantized_linear_node(const NodeArgs& args) {
 
 void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, int64_t ggml_type,
                       const std::optional<at::Tensor>& bias) {
-  const QuantizedLinearGeometry g = check_quantized_linear(out, input, weight, ggml_type, bias);
+  const QuantizedLinearPlan g = check_quantized_linear(out, input, weight, ggml_type, bias);
   if (g.rows == 0 || g.out_features == 0) return;
   if (g.panels) {
     const std::vector<bfloat16> bias_values = bfloat16_values(bias);

@@ -1,5 +1,5 @@
 // GGUF's quantized weight blocks (the formats llama.cpp writes) and the int8 activations their
-// products run on. Torch-free. A quantized weight [out_features, in_features] is stored as GGUF
+// products run on. Torch-free; the block decoding compiles for CUDA devices too. A quantized weight [out_features, in_features] is stored as GGUF
 // stores it: each row is in_features / block values consecutive blocks.
 //   Q4_0 (type 2):  f16 d, 16 bytes of nibbles                  w = d * (q - 8)           18 bytes / 32
 //   Q4_1 (type 3):  f16 d, f16 m, 16 bytes                      w = d * q + m             20 bytes / 32
@@ -36,7 +36,7 @@ enum class QuantFormat : int { kQ4_0 = 0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5
 constexpr int kNumQuantFormats = 8;
 
 // The format of a GGML type id, or -1 for one quantized_linear does not run.
-inline int quant_format_of(int64_t ggml_type) {
+KVFLOW_HOST_DEVICE int quant_format_of(int64_t ggml_type) {
   switch (GgufType(ggml_type)) {
     case GgufType::kQ4_0: return int(QuantFormat::kQ4_0);
     case GgufType::kQ4_1: return int(QuantFormat::kQ4_1);
@@ -54,13 +54,13 @@ inline int quant_format_of(int64_t ggml_type) {
 constexpr const char* kQuantTypesText =
     "Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13) and Q6_K (14)";
 
-constexpr bool is_k_quant(QuantFormat f) {
+KVFLOW_HOST_DEVICE constexpr bool is_k_quant(QuantFormat f) {
   return f == QuantFormat::kQ4_K || f == QuantFormat::kQ5_K || f == QuantFormat::kQ6_K;
 }
 
-constexpr int64_t quant_block_values(QuantFormat f) { return is_k_quant(f) ? 256 : 32; }
+KVFLOW_HOST_DEVICE constexpr int64_t quant_block_values(QuantFormat f) { return is_k_quant(f) ? 256 : 32; }
 
-constexpr int64_t quant_block_bytes(QuantFormat f) {
+KVFLOW_HOST_DEVICE constexpr int64_t quant_block_bytes(QuantFormat f) {
   switch (f) {
     case QuantFormat::kQ4_0: return 18;
     case QuantFormat::kQ4_1: return 20;
@@ -74,31 +74,26 @@ constexpr int64_t quant_block_bytes(QuantFormat f) {
   return 0;
 }
 
-constexpr int64_t quant_block_chunks(QuantFormat f) { return quant_block_values(f) / kQuantBlock; }
+KVFLOW_HOST_DEVICE constexpr int64_t quant_block_chunks(QuantFormat f) { return quant_block_values(f) / kQuantBlock; }
 
 // Weight codes the products take as unsigned (the format adds an offset instead of centring).
-constexpr bool has_offset(QuantFormat f) {
+KVFLOW_HOST_DEVICE constexpr bool has_offset(QuantFormat f) {
   return f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1 || f == QuantFormat::kQ4_K || f == QuantFormat::kQ5_K;
 }
 
-inline uint16_t block_half_bits(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
+// Little-endian fields at any byte offset (blocks are not aligned).
+KVFLOW_HOST_DEVICE uint16_t block_half_bits(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
 
-inline float block_half(const uint8_t* p) { return to_float(float16{block_half_bits(p)}); }
+KVFLOW_HOST_DEVICE float block_half(const uint8_t* p) { return to_float(float16{block_half_bits(p)}); }
 
-inline uint32_t block_word(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
+KVFLOW_HOST_DEVICE uint32_t block_word(const uint8_t* p) {
+  return uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16) | (uint32_t(p[3]) << 24);
 }
 
 // Sub-block j's 6-bit scale and min in a Q4_K / Q5_K block's 12 bytes: j < 4 in the low six bits
 // of bytes j and j + 4; j >= 4 in the nibbles of byte j + 4, topped by the high two bits of bytes
 // j - 4 and j.
-inline void k_scale_min(const uint8_t* scales, int j, int* scale, int* min) {
+KVFLOW_HOST_DEVICE void k_scale_min(const uint8_t* scales, int j, int* scale, int* min) {
   if (j < 4) {
     *scale = scales[j] & 63;
     *min = scales[j + 4] & 63;
@@ -116,7 +111,7 @@ struct WeightChunk {
 };
 
 // The scales and offset of chunk c of a block (the formats' definition, shared by every kernel).
-inline void chunk_scales(QuantFormat f, const uint8_t* block, int c, float* scale_low, float* scale_high,
+KVFLOW_HOST_DEVICE void chunk_scales(QuantFormat f, const uint8_t* block, int c, float* scale_low, float* scale_high,
                          float* offset) {
   *offset = 0.f;
   switch (f) {
@@ -152,10 +147,10 @@ inline void chunk_scales(QuantFormat f, const uint8_t* block, int c, float* scal
 // 16 + 32 (c / 2) ... of the nibbles, Q5_K's fifth bit bit c of the 32 high-bit bytes. Q6_K: the
 // 256 weights are two halves of 128; in half h, chunk k (c = 4h + k) takes the low (k < 2) or high
 // nibbles of ql[64h + 32 (k % 2) + l] and bits 2k, 2k + 1 of qh[32h + l].
-inline void chunk_codes(QuantFormat f, const uint8_t* block, int c, int8_t* code) {
+KVFLOW_HOST_DEVICE void chunk_codes(QuantFormat f, const uint8_t* block, int c, int8_t* code) {
   switch (f) {
     case QuantFormat::kQ8_0:
-      std::memcpy(code, block + 2, kQuantBlock);
+      for (int j = 0; j < kQuantBlock; ++j) code[j] = int8_t(block[2 + j]);
       return;
     case QuantFormat::kQ4_0:
     case QuantFormat::kQ4_1: {
@@ -202,14 +197,14 @@ inline void chunk_codes(QuantFormat f, const uint8_t* block, int c, int8_t* code
   }
 }
 
-inline void decode_chunk(QuantFormat f, const uint8_t* block, int c, WeightChunk* chunk) {
+KVFLOW_HOST_DEVICE void decode_chunk(QuantFormat f, const uint8_t* block, int c, WeightChunk* chunk) {
   chunk_codes(f, block, c, chunk->code);
   chunk_scales(f, block, c, &chunk->scale[0], &chunk->scale[1], &chunk->offset);
 }
 
 // Chunk c of a block as float32 (the formats' definition; the many-row path and the embedding
-// use it where no intrinsics do).
-inline void dequantize_chunk(QuantFormat f, const uint8_t* block, int c, float* out) {
+// use it where no intrinsics do, and so do the CUDA kernels).
+KVFLOW_HOST_DEVICE void dequantize_chunk(QuantFormat f, const uint8_t* block, int c, float* out) {
   WeightChunk chunk;
   decode_chunk(f, block, c, &chunk);
   for (int j = 0; j < kQuantBlock; ++j) out[j] = chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset;
