@@ -12,13 +12,20 @@ so that the machine's drift falls on both alike; the ratios are per pair.
 
     python benchmarks/bench_quantized.py                      # the embedded Q4_1 model
     python benchmarks/bench_quantized.py --model model.Q8_0.gguf --rounds 5
+    python benchmarks/bench_quantized.py --requantize Q8_0 --llama-quantize LLAMA_BUILD/bin/llama-quantize
+
+--requantize TYPE first writes the model in TYPE with llama.cpp's llama-quantize (built outside
+the repo; `--allow-requantize`, so a Q4_1 file's values requantized) into a temporary directory,
+and measures that file.
 """
 
 import argparse
 import random
 import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -64,8 +71,30 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--offline-requests", type=int, default=64, help="0 to skip the offline figure")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
+    parser.add_argument("--requantize", default=None, metavar="TYPE",
+                        help="measure the model requantized to this GGML type (Q8_0, Q4_0, ...) by llama-quantize")
+    parser.add_argument("--llama-quantize", default="llama-quantize", help="llama.cpp's llama-quantize, for --requantize")
     args = parser.parse_args()
+    if args.requantize:
+        with tempfile.TemporaryDirectory() as directory:
+            args.model = requantized(args.llama_quantize, resolve_model_path(args.model), args.requantize, directory)
+            return measure(args)
+    return measure(args)
 
+
+def requantized(llama_quantize: str, model: str, ggml_type: str, directory: str) -> str:
+    """model written in ggml_type by llama-quantize, into directory; its path."""
+    name = os.path.basename(model).rsplit(".", 2)[0] + f".{ggml_type}.gguf"
+    path = os.path.join(directory, name)
+    result = subprocess.run([llama_quantize, "--allow-requantize", model, path, ggml_type], capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{llama_quantize} failed:\n{result.stderr[-2000:]}")
+    print(f"requantized {model} to {ggml_type}: {path} ({os.path.getsize(path) / 1e6:.0f} MB)", flush=True)
+    return path
+
+
+def measure(args) -> None:
     engines = {}
     for name, dequantize in (("quantized", False), ("bf16", True)):
         engines[name] = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=1 << 30,
