@@ -89,17 +89,9 @@ struct QuantDotAvx2 {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
   }
 
-  // [scale, offset] of chunk c (lane 1 unused without offsets), and the scale of its last 16
-  // weights where it differs (Q6_K). The K-quants' products take all eight at once (KScales).
-  static __m128 scales(const uint8_t* block, int c, float* high) {
-    if constexpr (!is_k_quant(F)) {
-      return _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(block_word(block))));
-    } else {
-      float low, offset;
-      chunk_scales(F, block, c, &low, high, &offset);
-      return _mm_setr_ps(low, offset, 0.f, 0.f);
-    }
-  }
+  // [d, m] of a 32-weight block (lane 1 unused without offsets); the K-quants' products take a
+  // block's eight chunks' scales at once (KScales).
+  static __m128 scales(const uint8_t* block) { return _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(block_word(block)))); }
 
   // A K-quant block's eight chunks: their scales (Q6_K: of each chunk's first and last 16
   // weights) and offsets, as gguf_blocks.h's chunk_scales defines them, decoded together.
@@ -164,15 +156,14 @@ struct QuantDotAvx2 {
       }
     };
     if constexpr (kChunks == 1) {
-      float unused;
       int64_t b = 0;
       for (; b + 2 <= x.blocks; b += 2) {
         const uint8_t* wb = w + b * kBytes;
         __builtin_prefetch(wb + kAheadBytes, 0, 2);
-        chunk(b, codes(wb, 0), scales(wb, 0, &unused), 0.f, 0);
-        chunk(b + 1, codes(wb + kBytes, 0), scales(wb + kBytes, 0, &unused), 0.f, 1);
+        chunk(b, codes(wb, 0), scales(wb), 0.f, 0);
+        chunk(b + 1, codes(wb + kBytes, 0), scales(wb + kBytes), 0.f, 1);
       }
-      if (b < x.blocks) chunk(b, codes(w + b * kBytes, 0), scales(w + b * kBytes, 0, &unused), 0.f, 0);
+      if (b < x.blocks) chunk(b, codes(w + b * kBytes, 0), scales(w + b * kBytes), 0.f, 0);
     } else {
       KScales s;
       for (int64_t block = 0; block < x.blocks / kChunks; ++block) {
@@ -214,7 +205,7 @@ inline void transpose_8x8_epi32(__m256i r[8]) {
 // DequantizePanelFn (kernel_table.h) in AVX2: eight rows of a chunk at a time, each row's 32
 // values dequantized in registers, rounded to bfloat16 and paired (values k and k + 1 in one
 // 32-bit word), then the 8 rows x 16 pairs transposed so that each pair of the 8 rows is one
-// 32-byte store.
+// 32-byte store. A K-quant block's scales are decoded once per row, at its first chunk.
 template <QuantFormat F>
 void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out_features, int64_t panel,
                            bfloat16* dst) {
@@ -230,8 +221,17 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(round_bias, odd)), 16);
   };
+  typename Dot::KScales row_scales[is_k_quant(F) ? kPanel : 1];  // K-quants: each row's current block
   for (int64_t b = 0; b < chunks; ++b) {
     uint32_t* block_pairs = pairs + b * (kQuantBlock / 2) * kPanel;
+    const int c = int(b % Dot::kChunks);
+    if constexpr (is_k_quant(F)) {
+      if (c == 0) {
+        for (int64_t j = 0; j < width; ++j) {
+          Dot::k_scales(weight + (first + j) * row_bytes + b / Dot::kChunks * Dot::kBytes, &row_scales[j]);
+        }
+      }
+    }
     for (int64_t j0 = 0; j0 < kPanel; j0 += 8) {
       __m256i low[8], high[8];  // per row: pairs 0-7, pairs 8-15
       for (int r = 0; r < 8; ++r) {
@@ -240,10 +240,16 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
           continue;
         }
         const uint8_t* block = weight + (first + j0 + r) * row_bytes + b / Dot::kChunks * Dot::kBytes;
-        const int c = int(b % Dot::kChunks);
         const __m256i q = Dot::codes(block, c);
-        float scale_high;
-        const __m128 dm = Dot::scales(block, c, &scale_high);
+        float scale_high = 0.f;
+        __m128 dm;
+        if constexpr (is_k_quant(F)) {
+          const typename Dot::KScales& s = row_scales[j0 + r];
+          dm = _mm_setr_ps(s.low[c], s.offset[c], 0.f, 0.f);
+          scale_high = s.high[c];
+        } else {
+          dm = Dot::scales(block);
+        }
         const __m256 d_low = _mm256_set1_ps(_mm_cvtss_f32(dm));
         const __m256 d_high = F == QuantFormat::kQ6_K ? _mm256_set1_ps(scale_high) : d_low;
         const __m256 m = has_offset(F) ? _mm256_set1_ps(_mm_cvtss_f32(_mm_shuffle_ps(dm, dm, 1))) : _mm256_setzero_ps();
