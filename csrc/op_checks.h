@@ -36,8 +36,12 @@ inline void check_device_type(const at::Tensor& t, const char* name, c10::Device
               " tensor, got ", t.device());
 }
 
-inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+inline void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ", ref.device());
+}
+
+inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
+  check_same_device(t, name, ref, ref_name);
   TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " has dtype ", t.scalar_type(), " but ", ref_name,
               " has dtype ", ref.scalar_type());
 }
@@ -482,6 +486,8 @@ inline QuantizedLinearGeometry check_quantized_linear_args(const at::Tensor& out
   const auto [format, in_features] = check_quantized_weight("quantized_linear", weight, ggml_type, "out_features", device);
   check_float_or_bfloat16(input, "input", device);
   check_float_or_bfloat16(out, "out", device);
+  check_same_device(input, "input", weight, "weight");
+  check_same_device(out, "out", weight, "weight");
   const int64_t block_values = cpu::quant_block_values(format), out_features = weight.size(0);
   TORCH_CHECK(input.dim() == 2 && input.size(1) == in_features, "input must be [rows, ", in_features,
               "] (the weight's ", in_features / block_values, " blocks of ", block_values, " a row), got shape ",
@@ -491,6 +497,7 @@ inline QuantizedLinearGeometry check_quantized_linear_args(const at::Tensor& out
               "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
   if (bias.has_value()) {
     check_float_or_bfloat16(*bias, "bias", device);
+    check_same_device(*bias, "bias", weight, "weight");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
                 bias->sizes());
   }
@@ -510,6 +517,7 @@ inline QuantizedEmbeddingGeometry check_quantized_embedding_args(const at::Tenso
   const auto [format, hidden] = check_quantized_weight("quantized_embedding", weight, ggml_type, "vocab_size", device);
   const DType out_dtype = kernel_dtype(out, "out");
   check_device_type(out, "out", device);
+  check_same_device(out, "out", weight, "weight");
   check_index_tensor(token_ids, "token_ids", at::kLong, weight);
   TORCH_CHECK(token_ids.dim() == 1, "token_ids must be 1-D [num_tokens], got shape ", token_ids.sizes());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == token_ids.size(0) && out.size(1) == hidden && out.is_contiguous(),

@@ -101,7 +101,6 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
                       const std::optional<at::Tensor>& bias) {
   const QuantizedLinearGeometry g =
       check_quantized_linear_args(out, input, weight, ggml_type, bias, c10::DeviceType::CUDA);
-  check_like(input, "input", weight, "weight");
   if (g.rows == 0 || g.out_features == 0) return;
   const c10::cuda::CUDAGuard guard(weight.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
