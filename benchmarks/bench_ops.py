@@ -176,40 +176,48 @@ def random_gguf_blocks(ggml_type: int, out_features: int, in_features: int, rng)
     return torch.from_numpy(data.reshape(out_features, -1))
 
 
-def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
+def quantized_linear_table(rows_grid, shapes, repeat, device="cpu") -> list[str]:
     """quantized_linear on GGUF blocks (QUANTIZED_TABLE_TYPES; the K-quants where in_features is
-    whole 256-blocks) against small_linear on the same shape in bfloat16, weights from memory as
-    in small_linear_table: the time of decode's products, and the bytes each reads."""
-    bandwidth = read_bandwidth("cpu")
+    whole 256-blocks) against the bfloat16 product of the same shape (small_linear on the CPU,
+    torch's F.linear on CUDA), weights from memory as in small_linear_table: the time of
+    decode's products, and the bytes each reads."""
+    bandwidth = read_bandwidth(device)
     names = [GGML_TYPE_NAMES[t] for t in QUANTIZED_TABLE_TYPES]
+    peer = "small_linear" if device == "cpu" else "F.linear"
     lines = [
         "",
-        f"quantized_linear, weights from memory; machine read bandwidth {bandwidth:.1f} GB/s; "
-        "speedup = bf16 small_linear time / this time, same run",
+        f"quantized_linear on {device}, weights from memory; read bandwidth {bandwidth:.1f} GB/s; "
+        f"speedup = bf16 {peer} time / this time, same run",
         "",
         "| rows x in -> out | bf16 (us) | " + " | ".join(f"{n} (us) | GB/s | speedup" for n in names) + " |",
         "|---|---:|" + "---:|---:|---:|" * len(names),
     ]
     print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
+    # Enough copies of each weight that a pass reads well past the last-level cache (60 MB on an H200).
+    pass_bytes = (256 if device == "cpu" else 1024) << 20
     for in_features, out_features in shapes:
         def copies_of(make, nbytes):
-            return [make() for _ in range(-(-(256 << 20) // nbytes))]
+            first = make()
+            return [first] + [first.clone() for _ in range(-(-pass_bytes // nbytes) - 1)]
 
-        bf16 = copies_of(lambda: torch.randn(out_features, in_features, dtype=torch.bfloat16),
+        bf16 = copies_of(lambda: torch.randn(out_features, in_features, dtype=torch.bfloat16, device=device),
                          out_features * in_features * 2)
-        quantized = {t: copies_of(lambda t=t: random_gguf_blocks(t, out_features, in_features, rng),
+        quantized = {t: copies_of(lambda t=t: random_gguf_blocks(t, out_features, in_features, rng).to(device),
                                   quantized_row_bytes(in_features, t) * out_features)
                      for t in QUANTIZED_TABLE_TYPES if in_features % BLOCK_VALUES[t] == 0}
         for rows in rows_grid:
-            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16, device=device)
 
             def run_bf16():
                 for weight in bf16:
-                    ops.small_linear(x, weight, out=out)
+                    if device == "cpu":
+                        ops.small_linear(x, weight, out=out)
+                    else:
+                        torch.nn.functional.linear(x, weight)
 
-            t_bf16 = timed(run_bf16, "cpu", 1, max(3, repeat // 10)) / len(bf16)
+            t_bf16 = timed(run_bf16, device, 1, max(3, repeat // 10)) / len(bf16)
             line = f"| {rows} x {in_features} -> {out_features} | {t_bf16 * 1e6:.1f} |"
             for ggml_type in QUANTIZED_TABLE_TYPES:
                 if ggml_type not in quantized:
@@ -220,7 +228,7 @@ def quantized_linear_table(rows_grid, shapes, repeat) -> list[str]:
                     for weight in weights:
                         ops.quantized_linear(x, weight, ggml_type, out=out)
 
-                t = timed(run, "cpu", 1, max(3, repeat // 10)) / len(quantized[ggml_type])
+                t = timed(run, device, 1, max(3, repeat // 10)) / len(quantized[ggml_type])
                 line += f" {t * 1e6:.1f} | {quantized[ggml_type][0].numel() / t / 1e9:.1f} | {t_bf16 / t:.2f}x |"
             lines.append(line)
             print(line, flush=True)
@@ -335,7 +343,7 @@ def main():
     parser.add_argument("--packed-rows", type=int, nargs="*", default=[16, 64, 256, 2048],
                         help="rows for the packed_linear table (CPU, bfloat16 only; empty to skip)")
     parser.add_argument("--quantized-rows", type=int, nargs="*", default=[1, 4],
-                        help="rows for the quantized_linear table (CPU only; empty to skip)")
+                        help="rows for the quantized_linear table (empty to skip)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -374,10 +382,11 @@ def main():
         rows += packed_linear_table(args.packed_rows, [(576, 960), (576, 3072), (1536, 576), (576, 49152)],
                                     args.repeat)
         rows += packed_silu_table(args.packed_rows, 576, 1536, args.repeat)
-    if args.device == "cpu" and args.quantized_rows and not args.ops:
+    if args.quantized_rows and not args.ops:
         # SmolLM2-135M's gate|up and LM head, Qwen2.5-1.5B's gate|up, a Llama-3-8B-sized MLP product.
-        rows += quantized_linear_table(args.quantized_rows, [(576, 3072), (576, 49152), (1536, 8960), (4096, 14336)],
-                                       args.repeat)
+        shapes = [(576, 3072), (576, 49152), (1536, 8960), (4096, 14336)]
+        rows += quantized_linear_table(args.quantized_rows, shapes if args.device == "cpu" else shapes[2:],
+                                       args.repeat, args.device)
     write_markdown(args.markdown, header + rows)
 
 

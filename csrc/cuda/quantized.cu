@@ -22,7 +22,7 @@ namespace {
 using cpu::QuantFormat;
 using cpu::WeightChunk;
 
-constexpr int64_t kGemvRows = 8;
+constexpr int kGemvRows = 8;
 constexpr int kWarpsPerBlock = 8;
 
 __device__ __forceinline__ const uint8_t* chunk_block(const uint8_t* row, QuantFormat f, int64_t chunk) {
@@ -41,19 +41,34 @@ __global__ void quantized_gemv_kernel(Out* out, const In* input, int64_t input_s
   for (int64_t c = lane; c < chunks; c += 32) {
     WeightChunk chunk;
     cpu::decode_chunk(format, chunk_block(w, format, c), int(c % cpu::quant_block_chunks(format)), &chunk);
-    for (int64_t r = 0; r < rows; ++r) {
-      const In* x = input + r * input_stride + c * cpu::kQuantBlock;
-      float sum = 0.f;
+    float w[cpu::kQuantBlock];
 #pragma unroll
-      for (int j = 0; j < cpu::kQuantBlock; ++j) {
-        sum += (chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset) * cuda_kernels::load_float(x[j]);
+    for (int j = 0; j < cpu::kQuantBlock; ++j) w[j] = chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset;
+    // Unrolled over the most rows, so that acc stays in registers (a loop to `rows` would index
+    // it at run time and put it in local memory).
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r) {
+      if (r < rows) {
+        // The chunk's 32 inputs in 16-byte loads (the host makes the rows 16-byte aligned).
+        const In* x = input + r * input_stride + c * cpu::kQuantBlock;
+        constexpr int kPack = cuda_kernels::Pack<In>::kSize;
+        float sum = 0.f;
+#pragma unroll
+        for (int p = 0; p < cpu::kQuantBlock / kPack; ++p) {
+          const cuda_kernels::Pack<In> pack = cuda_kernels::load_pack(x + p * kPack);
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) sum += w[p * kPack + j] * cuda_kernels::load_float(pack.v[j]);
+        }
+        acc[r] += sum;
       }
-      acc[r] += sum;
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float total = cuda_kernels::warp_sum(acc[r]);
-    if (lane == 0) out[r * out_features + o] = cuda_kernels::store_float<Out>(total + (bias ? bias[o] : 0.f));
+#pragma unroll
+  for (int r = 0; r < kGemvRows; ++r) {
+    if (r < rows) {
+      const float total = cuda_kernels::warp_sum(acc[r]);
+      if (lane == 0) out[r * out_features + o] = cuda_kernels::store_float<Out>(total + (bias ? bias[o] : 0.f));
+    }
   }
 }
 
@@ -67,9 +82,16 @@ __global__ void dequantize_kernel(T* dst, const uint8_t* weight, int64_t row_byt
   float values[cpu::kQuantBlock];
   cpu::dequantize_chunk(format, chunk_block(weight + o * row_bytes, format, c),
                         int(c % cpu::quant_block_chunks(format)), values);
-  T* row = dst + o * chunks * cpu::kQuantBlock + c * cpu::kQuantBlock;
+  // Written as 16-byte stores: a chunk is 64 (bfloat16) or 128 (float32) aligned bytes.
+  union {
+    T values[cpu::kQuantBlock];
+    uint4 vectors[cpu::kQuantBlock * sizeof(T) / sizeof(uint4)];
+  } converted;
 #pragma unroll
-  for (int j = 0; j < cpu::kQuantBlock; ++j) row[j] = cuda_kernels::store_float<T>(values[j]);
+  for (int j = 0; j < cpu::kQuantBlock; ++j) converted.values[j] = cuda_kernels::store_float<T>(values[j]);
+  uint4* row = reinterpret_cast<uint4*>(dst + o * chunks * cpu::kQuantBlock + c * cpu::kQuantBlock);
+#pragma unroll
+  for (int v = 0; v < int(sizeof(converted.vectors) / sizeof(uint4)); ++v) row[v] = converted.vectors[v];
 }
 
 template <typename T>
@@ -126,7 +148,10 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     out.copy_(product);
     return;
   }
-  const at::Tensor x = input.stride(1) == 1 ? input : input.contiguous();
+  const int64_t element = input.element_size();
+  const bool aligned = input.stride(1) == 1 && reinterpret_cast<uintptr_t>(input.data_ptr()) % 16 == 0 &&
+                       input.stride(0) * element % 16 == 0;
+  const at::Tensor x = aligned ? input : input.clone(at::MemoryFormat::Contiguous);
   const at::Tensor bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const dim3 grid(unsigned((g.out_features + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const auto launch = [&](auto in_tag, auto out_tag) {

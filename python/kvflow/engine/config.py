@@ -29,8 +29,8 @@ class EngineConfig:
     cpu_prepack_weights: bool = True      # bf16 on CPU: a packed copy of each projection for many-row
                                           # products (faster prefill and large batches, 2x weight memory;
                                           # only as many as fit in the memory available)
-    dequantize_weights: bool = False      # a GGUF file's Q4_0/Q4_1/Q8_0 weights in dtype instead of their
-                                          # blocks (other quantized types are dequantized always)
+    dequantize_weights: bool = False      # a GGUF file's quantized weights in dtype instead of their
+                                          # blocks (types kvflow has no kernels for are dequantized always)
 
     def __post_init__(self):
         if self.dtype is None:

@@ -24,7 +24,7 @@ class VocabEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
         if self.ggml_type is not None:
-            out = torch.empty((token_ids.shape[0], self.hidden_size), dtype=self.dtype)
+            out = torch.empty((token_ids.shape[0], self.hidden_size), dtype=self.dtype, device=self.weight.device)
             torch.ops.kvflow.quantized_embedding(out, token_ids, self.weight, self.ggml_type, self.scale)
             return out
         out = self.weight.new_empty((token_ids.shape[0], self.weight.shape[1]))
@@ -67,7 +67,7 @@ class LMHead(nn.Module):
         rows = hidden.shape[0]
         ggml_type = self.ggml_type
         if ggml_type is not None:
-            logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+            logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32, device=weight.device)
             torch.ops.kvflow.quantized_linear(logits, hidden, weight, ggml_type, None)
             return logits
         if hidden.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS:

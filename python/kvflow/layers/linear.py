@@ -11,14 +11,15 @@ from kvflow.ops.quantized import BLOCK_VALUES, quantized_row_bytes
 
 
 def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | None:
-    """An empty uint8 parameter [rows, row bytes] for a float CPU weight [rows, in_features] in the
-    GGUF blocks of ggml_type, or None where quantized_linear cannot run it (another type, rows of
-    part blocks, another device, activations of a dtype it does not take)."""
-    if not (ggml_type in BLOCK_VALUES and weight.is_cpu and weight.dim() == 2
+    """An empty uint8 parameter [rows, row bytes], on the weight's device, for a float weight
+    [rows, in_features] in the GGUF blocks of ggml_type, or None where quantized_linear cannot run
+    it (another type, rows of part blocks, a device other than the CPU or CUDA, activations of a
+    dtype it does not take)."""
+    if not (ggml_type in BLOCK_VALUES and weight.device.type in ("cpu", "cuda") and weight.dim() == 2
             and weight.shape[1] % BLOCK_VALUES[ggml_type] == 0 and weight.dtype in (torch.float32, torch.bfloat16)):
         return None
     return nn.Parameter(torch.empty(weight.shape[0], quantized_row_bytes(weight.shape[1], ggml_type),
-                                    dtype=torch.uint8), requires_grad=False)
+                                    dtype=torch.uint8, device=weight.device), requires_grad=False)
 
 
 class PackedWeight:

@@ -62,9 +62,10 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
                dequantize_weights: bool = False) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`,
     with its tokenizer, for sequences of at most max_model_len tokens (None: the model's context;
-    see ModelConfig.with_context). A GGUF file's quantized weights stay in their blocks on the
-    CPU where kvflow's quantized ops run their type (Q4_0, Q4_1, Q8_0; activations in float32
-    or bfloat16), unless dequantize_weights; the others are dequantized to dtype. On the CPU the weights
+    see ModelConfig.with_context). A GGUF file's quantized weights stay in their blocks (on the
+    CPU and on CUDA) where kvflow's quantized ops run their type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K; activations in float32 or bfloat16), unless dequantize_weights; the others
+    are dequantized to dtype. On the CPU the weights
     are then prepared for the kernels: packed copies for many-row products where
     cpu_prepack_weights says so and memory allows (keeping cpu_reserved_bytes free, for the KV
     cache that comes after), and everything moved into huge pages (decode streams it every step)."""
