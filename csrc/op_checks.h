@@ -465,6 +465,8 @@ inline std::pair<cpu::QuantFormat, int64_t> check_quantized_weight(const char* o
                                                                    int64_t ggml_type, const char* rows_name,
                                                                    c10::DeviceType device) {
   const int format = cpu::quant_format_of(ggml_type);
+  TORCH_CHECK(cpu::interleaved_base_type(ggml_type) < 0, op, ": type ", ggml_type, " is kvflow's interleaved layout of",
+              " GGML type ", cpu::interleaved_base_type(ggml_type), ", which only quantized_linear on the CPU runs");
   TORCH_CHECK(format >= 0, op, " runs GGML types ", cpu::kQuantTypesText, ", got type ", ggml_type);
   check_device_type(weight, "weight", device);
   TORCH_CHECK(weight.scalar_type() == at::kByte, "weight must be uint8 (the GGUF blocks' bytes), got ",

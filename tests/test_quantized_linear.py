@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType, quants
 
 from conftest import random_blocks
 from kvflow import ops
-from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_TYPE_NAMES
+from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_1_INTERLEAVED, GGML_Q4_K,
+                                  GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES, deinterleave_rows, interleave_rows)
 
 ALL_TYPES = list(GGML_TYPE_NAMES)
 
@@ -117,6 +118,68 @@ def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, blocks
         bound += (np.abs(expected) + bound) * 2.0**-8
     error = np.abs(actual.double().numpy() - expected)
     assert (error <= bound * 1.001).all(), f"worst error / bound {np.max(error / bound):.3f}"
+
+
+INTERLEAVED = [GGML_Q4_0, GGML_Q4_1]
+
+
+def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
+    """The layout written out by hand for one group, one Q4_1 block: the 8 rows' d, their m, then
+    nibble bytes 4k..4k+3 of each row for k = 0..3."""
+    weight = torch.arange(8 * 20, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(8, 20)
+    expected = [weight[r, start + i] for start in (0, 2) for r in range(8) for i in (0, 1)]  # d, then m
+    expected += [weight[r, 4 + 4 * k + j] for k in range(4) for r in range(8) for j in range(4)]
+    assert interleave_rows(weight, GGML_Q4_1).flatten().tolist() == [int(v) for v in expected]
+    assert interleave_rows(weight[:, :18].contiguous(), GGML_Q4_0).flatten()[:16].tolist() == \
+        [int(weight[r, i]) for r in range(8) for i in (0, 1)]
+    rng = np.random.default_rng(3)
+    for ggml_type in INTERLEAVED:
+        blocks = torch.from_numpy(random_blocks(ggml_type, 24, 96, rng))
+        assert torch.equal(deinterleave_rows(interleave_rows(blocks, ggml_type), ggml_type), blocks)
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        interleave_rows(weight[:7], GGML_Q4_1)
+    with pytest.raises(ValueError, match="only Q4_0 and Q4_1"):
+        interleave_rows(torch.zeros(8, 34, dtype=torch.uint8), GGML_Q8_0)
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 31, 32, 45])
+@pytest.mark.parametrize("blocks,out_features", [(1, 8), (3, 24), ("model", 136)])
+def test_interleaved_weights_match_dequantized_product(ggml_type, rows, blocks, out_features, cpu_isa):
+    """The interleaved layout gives the product of the weights as the file stores them: within
+    the bound of the GGUF layout's test up to 31 rows (float32 input, each block quantized), and
+    the GGUF layout's result bit for bit from 32 bfloat16 rows (the same dequantized panels)."""
+    in_features = shape(ggml_type, blocks)
+    rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
+    weight = random_blocks(ggml_type, out_features, in_features, rng)
+    interleaved = interleave_rows(torch.from_numpy(weight), ggml_type)
+    layout = INTERLEAVED_TYPES[ggml_type]
+    w = dequantized(weight, ggml_type)
+    bias = torch.randn(out_features)
+    if rows < 32:
+        x = rng.standard_normal((rows, in_features))
+        x[:, :32] *= 0.01
+        expected = x @ w.T + bias.double().numpy()
+        actual = ops.quantized_linear(torch.from_numpy(x).float(), interleaved, layout, bias=bias).double().numpy()
+        error = np.abs(actual - expected)
+        bound = allowed_error(x, w, torch.float32, expected)
+        assert (error <= bound).all(), f"worst error / bound {np.max(error / bound):.3f}"
+        xq = quantized_input(x)
+        exact = xq @ w.T + bias.double().numpy()
+        accumulation = 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6
+        assert (np.abs(actual - exact) <= accumulation).all()
+    else:
+        x = torch.randn(rows, in_features, dtype=torch.float64).bfloat16()
+        actual = ops.quantized_linear(x, interleaved, layout, bias=bias.bfloat16())
+        assert torch.equal(actual, ops.quantized_linear(x, torch.from_numpy(weight), ggml_type, bias=bias.bfloat16()))
+
+
+def test_interleaved_weights_are_refused_where_they_cannot_run():
+    weight = torch.zeros(12, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows, got 12"):
+        ops.quantized_linear(torch.randn(1, 32), weight, GGML_Q4_1_INTERLEAVED)
+    with pytest.raises(RuntimeError, match="only quantized_linear on the CPU runs"):
+        ops.quantized_embedding(torch.tensor([0]), weight[:8], GGML_Q4_1_INTERLEAVED)
 
 
 def test_quantized_linear_rows_do_not_interfere(cpu_isa):

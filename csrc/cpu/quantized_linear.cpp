@@ -30,27 +30,76 @@ struct QuantizedLinearPlan {
   int format;
   int64_t rows, chunks, row_bytes, out_features;  // chunks: of 32 input features
   bool out_is_float32;
-  bool panels;  // the many-row path
+  bool panels;       // the many-row path
+  bool interleaved;  // the weight in kvflow's interleaved layout of Q4_0 / Q4_1 (gguf_blocks.h)
   int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
   int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
+  // Output features a thread takes, as whole groups where the weight is interleaved.
+  Range features(int64_t team, int64_t tid) const {
+    if (!interleaved) return share_of(out_features, kFeaturesPerTask, team, tid);
+    const Range groups = share_of(out_features / kInterleavedRows, kFeaturesPerTask / kInterleavedRows, team, tid);
+    return {groups.begin * kInterleavedRows, groups.end * kInterleavedRows};
+  }
+  // Bytes of GGUF rows a thread gathers from an interleaved weight (for the panels, or for an
+  // instruction set without an interleaved kernel).
+  int64_t gather_bytes() const { return interleaved ? kPackedLinearPanel * row_bytes : 0; }
 };
 
 QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                            int64_t ggml_type, const std::optional<at::Tensor>& bias) {
-  const QuantizedLinearGeometry g =
-      check_quantized_linear_args(out, input, weight, ggml_type, bias, c10::DeviceType::CPU);
+  const int64_t base_type = interleaved_base_type(ggml_type);
+  const bool interleaved = base_type >= 0;
+  const QuantizedLinearGeometry g = check_quantized_linear_args(out, input, weight, interleaved ? base_type : ggml_type,
+                                                                bias, c10::DeviceType::CPU);
+  TORCH_CHECK(!interleaved || g.out_features % kInterleavedRows == 0, "quantized_linear: a weight of type ", ggml_type,
+              " (rows interleaved in groups of ", kInterleavedRows, ") has a multiple of ", kInterleavedRows,
+              " rows, got ", g.out_features);
   const bool panels = g.rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
   return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
-          out.scalar_type() == at::kFloat, panels};
+          out.scalar_type() == at::kFloat, panels, interleaved};
 }
 
-// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
+// The few-row product for output features [begin, end). An interleaved weight without a kernel
+// of its own on this instruction set is gathered back into GGUF rows, kPackedLinearPanel at a
+// time, for the format's kernel.
+void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows& x, const uint8_t* weight,
+                   const float* bias, int64_t begin, int64_t end, uint8_t* gathered) {
+  const KernelTable& kernels = active_kernels();
+  if (!g.interleaved) {
+    kernels.quantized_linear[g.format](out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_features,
+                                       begin, end);
+    return;
+  }
+  const QuantizedLinearFn interleaved = kernels.quantized_linear_interleaved[g.format == int(QuantFormat::kQ4_1)];
+  if (interleaved != nullptr) {
+    interleaved(out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_features, begin, end);
+    return;
+  }
+  const int64_t element = g.out_is_float32 ? 4 : 2;
+  for (int64_t first = begin; first < end; first += kPackedLinearPanel) {
+    const int64_t count = std::min<int64_t>(kPackedLinearPanel, end - first);
+    gather_interleaved_rows(weight, g.row_bytes, QuantFormat(g.format), first, count, gathered);
+    kernels.quantized_linear[g.format](static_cast<char*>(out) + first * element, g.out_is_float32, x, gathered,
+                                       g.row_bytes, bias == nullptr ? nullptr : bias + first, g.rows, g.out_features,
+                                       0, count);
+  }
+}
+
+// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16);
+// an interleaved weight's panel rows are gathered into GGUF rows first.
 void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Tensor& input,
-                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch) {
+                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch,
+                     uint8_t* gathered) {
   const KernelTable& kernels = active_kernels();
   const int64_t element = g.out_is_float32 ? 4 : 2;
   for (int64_t p = begin; p < end; ++p) {
-    kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
+    if (g.interleaved) {
+      const int64_t first = p * kPackedLinearPanel, count = std::min(kPackedLinearPanel, g.out_features - first);
+      gather_interleaved_rows(weight, g.row_bytes, QuantFormat(g.format), first, count, gathered);
+      kernels.dequantize_panel[g.format](gathered, g.row_bytes, count, 0, scratch);
+    } else {
+      kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
+    }
     const int64_t first = p * kPackedLinearPanel;
     kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
                           /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
@@ -125,12 +174,12 @@ class QuantizedLinearNode final : public OpNode {
   }
 
   void configure(int64_t threads) override {
-    kernel_ = active_kernels().quantized_linear[geometry_.format];
     if (geometry_.panels) {
       panel_scratch_.assign(size_t(threads), std::vector<bfloat16>(size_t(geometry_.panel_elems())));
     } else {
       rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.chunks * kQuantBlock)));
     }
+    gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(geometry_.gather_bytes())));
   }
 
   int phases() const override { return 2; }
@@ -143,7 +192,7 @@ class QuantizedLinearNode final : public OpNode {
       const Range panels = share_of(g.num_panels(), 1, turn.team, turn.tid);
       multiply_panels(g, out_, input_, weight_.data_ptr<uint8_t>(),
                       bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data(), panels.begin, panels.end,
-                      panel_scratch_[size_t(turn.tid)].data());
+                      panel_scratch_[size_t(turn.tid)].data(), gathered_[size_t(turn.tid)].data());
       return;
     }
     if (phase == 0) {
@@ -151,10 +200,11 @@ class QuantizedLinearNode final : public OpNode {
       quantized_.quantize(input_, rows.begin, rows.end, rows_scratch_[size_t(turn.tid)].data());
       return;
     }
-    const Range features = share_of(g.out_features, kFeaturesPerTask, turn.team, turn.tid);
+    const Range features = g.features(turn.team, turn.tid);
     if (features.begin >= features.end || g.rows == 0) return;
-    kernel_(out_.data_ptr(), g.out_is_float32, quantized_.rows(), weight_.data_ptr<uint8_t>(), g.row_bytes,
-            bias_.defined() ? bias_.data_ptr<float>() : nullptr, g.rows, g.out_features, features.begin, features.end);
+    multiply_rows(g, out_.data_ptr(), quantized_.rows(), weight_.data_ptr<uint8_t>(),
+                  bias_.defined() ? bias_.data_ptr<float>() : nullptr, features.begin, features.end,
+                  gathered_[size_t(turn.tid)].data());
   }
 
  private:
@@ -165,7 +215,7 @@ class QuantizedLinearNode final : public OpNode {
   QuantizedInput quantized_;
   std::vector<std::vector<float>> rows_scratch_;
   std::vector<std::vector<bfloat16>> panel_scratch_;
-  QuantizedLinearFn kernel_ = nullptr;
+  std::vector<std::vector<uint8_t>> gathered_;  // each thread's GGUF rows of an interleaved weight
 };
 
 }  // namespace
@@ -183,7 +233,8 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     const bfloat16* b = bias_values.empty() ? nullptr : bias_values.data();
     at::parallel_for(0, g.num_panels(), 1, [&](int64_t begin, int64_t end) {
       std::vector<bfloat16> scratch(size_t(g.panel_elems()));
-      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data());
+      std::vector<uint8_t> gathered(size_t(g.gather_bytes()));
+      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data(), gathered.data());
     });
     return;
   }
@@ -194,12 +245,13 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     x.quantize(input, begin, end, row.data());
   });
   const QuantizedRows quantized = x.rows();
-  const QuantizedLinearFn kernel = active_kernels().quantized_linear[g.format];
   void* out_ptr = out.data_ptr();
   const auto* w = weight.data_ptr<uint8_t>();
   const float* b = bias_values.empty() ? nullptr : bias_values.data();
-  at::parallel_for(0, g.out_features, kFeaturesPerTask, [&](int64_t begin, int64_t end) {
-    kernel(out_ptr, g.out_is_float32, quantized, w, g.row_bytes, b, g.rows, g.out_features, begin, end);
+  const int64_t unit = g.interleaved ? kInterleavedRows : 1;  // output features, whole groups when interleaved
+  at::parallel_for(0, g.out_features / unit, kFeaturesPerTask / unit, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> gathered(size_t(g.gather_bytes()));
+    multiply_rows(g, out_ptr, quantized, w, b, begin * unit, end * unit, gathered.data());
   });
 }
 

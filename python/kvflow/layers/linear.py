@@ -7,7 +7,7 @@ from torch import nn
 from kvflow import ops
 from kvflow.layers.activation import GatedActivation
 from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
-from kvflow.ops.quantized import BLOCK_VALUES, quantized_row_bytes
+from kvflow.ops.quantized import BLOCK_VALUES, INTERLEAVED_ROWS, INTERLEAVED_TYPES, interleave_rows, quantized_row_bytes
 
 
 def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | None:
@@ -103,6 +103,16 @@ class Linear(nn.Module):
         if parameter is None:
             return False
         self.weight, self.ggml_type = parameter, ggml_type
+        return True
+
+    def interleave_rows(self) -> bool:
+        """Puts a Q4_0 or Q4_1 CPU weight of whole groups of rows into kvflow's interleaved layout
+        (kvflow.ops.quantized.interleave_rows: same bytes, 8 rows multiplied at once by the
+        few-row kernel). False, changing nothing, for any other weight. Call after loading."""
+        if not (self.ggml_type in INTERLEAVED_TYPES and self.weight.is_cpu and self.out_features % INTERLEAVED_ROWS == 0):
+            return False
+        self.weight = nn.Parameter(interleave_rows(self.weight.data, self.ggml_type), requires_grad=False)
+        self.ggml_type = INTERLEAVED_TYPES[self.ggml_type]
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

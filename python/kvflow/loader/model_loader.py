@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.layers import Linear
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.memory import available_memory_bytes
 from kvflow.loader.gguf_file import config_from_gguf, gguf_tensor_types, gguf_weights, open_gguf
@@ -107,14 +108,14 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
 def describe_weights(model: torch.nn.Module) -> str:
     """How the model holds its weights: per GGML type of the quantized ones and per float dtype,
     how many tensors and their memory ("Q4_1: 210 tensors, 86.1 MiB; bfloat16: 61 tensors, 0.1 MiB")."""
-    from kvflow.ops.quantized import GGML_TYPE_NAMES
+    from kvflow.ops.quantized import type_name
 
     groups: dict[str, list[int]] = {}
     for module in model.modules():
         ggml_type = getattr(module, "own_ggml_type", getattr(module, "ggml_type", None))
         for parameter in module.parameters(recurse=False):
             quantized = parameter.dtype == torch.uint8 and ggml_type is not None
-            kind = GGML_TYPE_NAMES.get(ggml_type, str(ggml_type)) if quantized else str(parameter.dtype).removeprefix("torch.")
+            kind = type_name(ggml_type) if quantized else str(parameter.dtype).removeprefix("torch.")
             count_bytes = groups.setdefault(kind, [0, 0])
             count_bytes[0] += 1
             count_bytes[1] += parameter.nbytes
@@ -124,7 +125,9 @@ def describe_weights(model: torch.nn.Module) -> str:
 
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0) -> None:
     """Packed copies of the projection weights for many-row products (where prepack and the
-    model can), then every weight into huge pages, in the order a forward pass reads them.
+    model can), Q4_0 and Q4_1 projections in the interleaved layout of the few-row kernel
+    (Linear.interleave_rows), then every weight into huge pages, in the order a forward pass
+    reads them.
 
     The copies double the weights' memory, so they are made only while they fit in what is
     available beyond reserved_bytes and PACKING_HEADROOM: a model that fits once but not twice
@@ -138,4 +141,7 @@ def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: i
             logger.warning("kvflow: packed copies of %d of %d weights: the others would not fit in the %.1f GiB "
                            "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "
                            "weights", packed, wanted, (available or 0) / 2**30, reserved_bytes / 2**30)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.interleave_rows()
     move_parameters_to_huge_pages(model)

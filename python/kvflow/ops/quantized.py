@@ -14,6 +14,55 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
                    GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K", GGML_Q6_K: "Q6_K"}
 
 
+# kvflow's interleaved layout of Q4_0 and Q4_1 weights on the CPU (csrc's gguf_blocks.h): rows in
+# groups of INTERLEAVED_ROWS, each group's blocks stored together so that the few-row kernel
+# multiplies 8 rows at once. Same bytes as the file's rows; made at load by interleave_rows.
+INTERLEAVED_ROWS = 8
+GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1
+INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED}
+
+
+def type_name(ggml_type: int) -> str:
+    """"Q4_1", or for an interleaved type "Q4_1 (rows interleaved)"."""
+    base = {v: k for k, v in INTERLEAVED_TYPES.items()}.get(ggml_type)
+    if base is not None:
+        return f"{GGML_TYPE_NAMES[base]} (rows interleaved)"
+    return GGML_TYPE_NAMES.get(ggml_type, str(ggml_type))
+
+
+def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """A Q4_0 or Q4_1 weight uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS) in the
+    interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and each
+    block, the 8 rows' d, then (Q4_1) their 8 m, then 4 pieces of 32 bytes, piece k holding nibble
+    bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
+    if ggml_type not in INTERLEAVED_TYPES:
+        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+    rows, row_bytes = weight.shape
+    if rows % INTERLEAVED_ROWS:
+        raise ValueError(f"interleaving takes a multiple of {INTERLEAVED_ROWS} rows, got {rows}")
+    block_bytes = BLOCK_BYTES[ggml_type]
+    header = 4 if ggml_type == GGML_Q4_1 else 2
+    blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
+    scales = [blocks[..., i:i + 2].transpose(1, 2).flatten(2) for i in range(0, header, 2)]  # [groups, blocks, 16]
+    nibbles = blocks[..., header:].unflatten(-1, (4, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 128]
+    return torch.cat(scales + [nibbles], dim=-1).reshape(rows, row_bytes).contiguous()
+
+
+def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The inverse of interleave_rows: a weight in the interleaved layout of Q4_0 or Q4_1
+    (ggml_type the GGML type) back in the GGUF file's rows."""
+    if ggml_type not in INTERLEAVED_TYPES:
+        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+    rows, row_bytes = weight.shape
+    block_bytes = BLOCK_BYTES[ggml_type]
+    header = 4 if ggml_type == GGML_Q4_1 else 2
+    groups = weight.reshape(rows // INTERLEAVED_ROWS, row_bytes // block_bytes, INTERLEAVED_ROWS * block_bytes)
+    scales = [groups[..., 8 * i:8 * i + 16].unflatten(-1, (INTERLEAVED_ROWS, 2)).transpose(1, 2)
+              for i in range(0, header, 2)]  # [groups, 8, blocks, 2]
+    nibbles = groups[..., 8 * header:].unflatten(-1, (4, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
+    return torch.cat(scales + [nibbles], dim=-1).reshape(rows, row_bytes).contiguous()
+
+
 def quantized_row_bytes(in_features: int, ggml_type: int) -> int:
     """The bytes of one weight row of in_features (a multiple of BLOCK_VALUES[ggml_type]) in
     ggml_type's blocks."""

@@ -243,4 +243,41 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
   scale_sum[1] = d * float(code_sum);
 }
 
+
+// kvflow's interleaved layout of Q4_0 and Q4_1 weights, made once at load for the CPU's products
+// (type id kInterleavedTypeBase + the GGML type). The rows go in groups of kInterleavedRows; a
+// group stores block b of its 8 rows together: the 8 rows' d, then (Q4_1) their 8 m, then four
+// 32-byte pieces, piece k holding nibble bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The
+// same bytes as the GGUF rows, so the same memory; a row's 32-bit lane in each piece lets the
+// AVX2 kernel multiply 8 rows with one instruction, and convert their 8 scales with another.
+constexpr int64_t kInterleavedRows = 8;
+constexpr int64_t kInterleavedTypeBase = 1000;
+
+// The GGML type an interleaved type id lays out (Q4_0 or Q4_1), or -1 for any other id.
+KVFLOW_HOST_DEVICE constexpr int64_t interleaved_base_type(int64_t type) {
+  return type == kInterleavedTypeBase + int64_t(GgufType::kQ4_0) || type == kInterleavedTypeBase + int64_t(GgufType::kQ4_1)
+             ? type - kInterleavedTypeBase
+             : -1;
+}
+
+// Rows [first, first + count) of a weight in the interleaved layout, written out in GGUF's
+// (count * row_bytes bytes): what the kernels without an interleaved version read.
+inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, QuantFormat f, int64_t first,
+                                    int64_t count, uint8_t* out) {
+  const int64_t bytes = quant_block_bytes(f), blocks = row_bytes / bytes, header = has_offset(f) ? 4 : 2;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = first + i, r = row % kInterleavedRows;
+    const uint8_t* group = weight + row / kInterleavedRows * kInterleavedRows * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src = group + b * kInterleavedRows * bytes;
+      uint8_t* block = out + i * row_bytes + b * bytes;
+      std::memcpy(block, src + 2 * r, 2);
+      if (header == 4) std::memcpy(block + 2, src + 2 * kInterleavedRows + 2 * r, 2);
+      for (int k = 0; k < 4; ++k) {
+        std::memcpy(block + header + 4 * k, src + header * kInterleavedRows + 32 * k + 4 * r, 4);
+      }
+    }
+  }
+}
+
 }  // namespace kvflow::cpu

@@ -183,6 +183,82 @@ struct QuantDotAvx2 {
   }
 };
 
+// One group of 8 weight rows in the interleaved layout (gguf_blocks.h) times input rows
+// r0 .. r0 + kRows: out[r][j] = row j of the group . input row r0 + r. Per block, each 32-byte
+// piece's low and high nibbles are 4 weights of each of the 8 rows (row j in 32-bit lane j);
+// vpmaddubsw against the input's matching 4 codes, broadcast to every lane, gives each row's
+// pair sums, added in 16 bits over the block's 8 half-pieces (at most 8 x 2 x 15 x 127 = 30480,
+// no overflow) and widened once. The 8 rows' scales convert in one vcvtph2ps.
+template <QuantFormat F, int kRows>
+void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  constexpr int64_t kBytes = quant_block_bytes(F), kHeader = has_offset(F) ? 4 : 2;
+  constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
+  constexpr int64_t kAheadBytes = 2048;
+  const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
+    __m256i sums[kRows];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+      const __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* xq = x.q + ((r0 + r) * x.blocks + b) * kQuantBlock;
+        const __m256i products =
+            _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(int32_t(block_word(reinterpret_cast<const uint8_t*>(xq) + 4 * k)))),
+                             _mm256_maddubs_epi16(high, _mm256_set1_epi32(int32_t(block_word(reinterpret_cast<const uint8_t*>(xq) + 16 + 4 * k)))));
+        sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    // Q4_1: w = d q + m; Q4_0: w = d q - 8 d. Either way an offset times the input's d * sum(q).
+    const __m256 m = has_offset(F) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
+                                   : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    for (int r = 0; r < kRows; ++r) {
+      const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale_sum[0])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+}
+
+// QuantizedLinearFn on the interleaved layout; begin and end are multiples of kInterleavedRows.
+template <QuantFormat F>
+void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
+                                       int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
+                                       int64_t begin, int64_t end) {
+  constexpr int kRowTile = 4;
+  for (int64_t first = begin; first < end; first += kInterleavedRows) {
+    const uint8_t* group = weight + first * row_bytes;
+    const __m256 b = bias == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + first);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      __m256 sums[kRowTile];
+      const int n = int(std::min<int64_t>(kRowTile, rows - r0));
+      switch (n) {
+        case 1: interleaved_group_avx2<F, 1>(group, x, r0, sums); break;
+        case 2: interleaved_group_avx2<F, 2>(group, x, r0, sums); break;
+        case 3: interleaved_group_avx2<F, 3>(group, x, r0, sums); break;
+        default: interleaved_group_avx2<F, 4>(group, x, r0, sums); break;
+      }
+      for (int r = 0; r < n; ++r) {
+        const __m256 y = _mm256_add_ps(sums[r], b);
+        const int64_t index = (r0 + r) * out_features + first;
+        if (out_is_float32) {
+          _mm256_storeu_ps(static_cast<float*>(out) + index, y);
+        } else {
+          alignas(32) float values[kInterleavedRows];
+          _mm256_store_ps(values, y);
+          for (int j = 0; j < kInterleavedRows; ++j) static_cast<bfloat16*>(out)[index + j] = from_float<bfloat16>(values[j]);
+        }
+      }
+    }
+  }
+}
+
 // An 8 x 8 matrix of 32-bit words, one row a register, transposed in place.
 inline void transpose_8x8_epi32(__m256i r[8]) {
   __m256i t[8], u[8];
@@ -330,6 +406,8 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantize_activations[1] = quantize_activations_avx2<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotAvx2<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel_avx2<QuantFormat(kFormats)>), ...);
+  t.quantized_linear_interleaved[0] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_0>;
+  t.quantized_linear_interleaved[1] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_1>;
 }
 
 }  // namespace
