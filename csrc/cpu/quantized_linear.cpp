@@ -54,7 +54,10 @@ QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tens
   TORCH_CHECK(!interleaved || g.out_features % kInterleavedRows == 0, "quantized_linear: a weight of type ", ggml_type,
               " (rows interleaved in groups of ", kInterleavedRows, ") has a multiple of ", kInterleavedRows,
               " rows, got ", g.out_features);
-  const bool panels = g.rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
+  // An interleaved weight's int8 kernel beats the dequantized panels at every row count (about
+  // 2x from 32 to 512 rows: docs/benchmarks.md), so it takes them all.
+  const bool panels =
+      !interleaved && g.rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
   return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
           out.scalar_type() == at::kFloat, panels, interleaved};
 }
