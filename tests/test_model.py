@@ -279,6 +279,15 @@ def test_bfloat16_with_packed_weights_is_as_close_to_the_reference(kv_bf16, kv_b
             assert packed.argmax() == plain.argmax() == ref.prompt_logits.argmax(), name
 
 
+def test_a_float32_model_has_nothing_to_pack_and_warns_of_nothing(caplog):
+    """Only bfloat16 weights have packed copies: a float32 load asks for them and makes none,
+    without the warning that copies did not fit."""
+    with caplog.at_level("WARNING", logger="kvflow"):
+        lm = load_model(None, torch.float32, cpu_prepack_weights=True, dequantize_weights=True)
+    assert all(m.packed_weight is None for m in lm.model.linear_modules())
+    assert "packed copies" not in caplog.text
+
+
 def test_packed_copies_are_made_only_while_they_fit_in_memory(kv_bf16, hf_reference, monkeypatch, caplog):
     """A machine that holds the model once but not twice: the copies stop at what is available
     beyond the KV cache's reservation, the load says so, and the prompt logits stay as close to

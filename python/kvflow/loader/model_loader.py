@@ -123,6 +123,14 @@ def describe_weights(model: torch.nn.Module) -> str:
                      for kind, (count, size) in sorted(groups.items(), key=lambda item: -item[1][1]))
 
 
+def packable(module: torch.nn.Module) -> bool:
+    """Whether a projection or LM head has a weight that PackedWeight packs: float (not GGUF
+    blocks) and bfloat16 (a float32 or float16 model has nothing to pack)."""
+    tied = getattr(module, "tied_to", None)
+    weight = tied.weight if tied is not None else module.weight
+    return module.ggml_type is None and weight.dtype == torch.bfloat16
+
+
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0) -> None:
     """Packed copies of the projection weights for many-row products (where prepack and the
     model can), Q4_0 and Q4_1 projections in the interleaved layout of the few-row kernel
@@ -136,7 +144,7 @@ def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: i
         available = available_memory_bytes()
         budget = None if available is None else max(0, available - reserved_bytes - PACKING_HEADROOM)
         packed = model.prepack_linear_weights(budget)
-        wanted = sum(1 for module in model.linear_modules() if module.ggml_type is None)
+        wanted = sum(1 for module in model.linear_modules() if packable(module))
         if packed < wanted:
             logger.warning("kvflow: packed copies of %d of %d weights: the others would not fit in the %.1f GiB "
                            "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "
