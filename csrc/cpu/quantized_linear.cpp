@@ -40,10 +40,18 @@ struct QuantizedLinearPlan {
     const Range groups = share_of(out_features / kInterleavedRows, kFeaturesPerTask / kInterleavedRows, team, tid);
     return {groups.begin * kInterleavedRows, groups.end * kInterleavedRows};
   }
-  // Bytes of GGUF rows a thread gathers from an interleaved weight (for the panels, or for an
-  // instruction set without an interleaved kernel).
-  int64_t gather_bytes() const { return interleaved ? kPackedLinearPanel * row_bytes : 0; }
 };
+
+// The active instruction set's kernel for an interleaved weight, or null where it has none.
+QuantizedLinearFn interleaved_kernel(const QuantizedLinearPlan& g) {
+  return g.interleaved ? active_kernels().quantized_linear_interleaved[g.format == int(QuantFormat::kQ4_1)] : nullptr;
+}
+
+// Bytes of GGUF rows a thread gathers from an interleaved weight where the instruction set has
+// no kernel for it (multiply_rows), else 0.
+int64_t gather_bytes(const QuantizedLinearPlan& g) {
+  return g.interleaved && interleaved_kernel(g) == nullptr ? kPackedLinearPanel * g.row_bytes : 0;
+}
 
 QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
                                            int64_t ggml_type, const std::optional<at::Tensor>& bias) {
@@ -73,7 +81,7 @@ void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows&
                                        begin, end);
     return;
   }
-  const QuantizedLinearFn interleaved = kernels.quantized_linear_interleaved[g.format == int(QuantFormat::kQ4_1)];
+  const QuantizedLinearFn interleaved = interleaved_kernel(g);
   if (interleaved != nullptr) {
     interleaved(out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_features, begin, end);
     return;
@@ -88,21 +96,14 @@ void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows&
   }
 }
 
-// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16);
-// an interleaved weight's panel rows are gathered into GGUF rows first.
+// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
+// (An interleaved weight never takes them: see check_quantized_linear.)
 void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Tensor& input,
-                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch,
-                     uint8_t* gathered) {
+                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch) {
   const KernelTable& kernels = active_kernels();
   const int64_t element = g.out_is_float32 ? 4 : 2;
   for (int64_t p = begin; p < end; ++p) {
-    if (g.interleaved) {
-      const int64_t first = p * kPackedLinearPanel, count = std::min(kPackedLinearPanel, g.out_features - first);
-      gather_interleaved_rows(weight, g.row_bytes, QuantFormat(g.format), first, count, gathered);
-      kernels.dequantize_panel[g.format](gathered, g.row_bytes, count, 0, scratch);
-    } else {
-      kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
-    }
+    kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
     const int64_t first = p * kPackedLinearPanel;
     kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
                           /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
@@ -182,7 +183,7 @@ class QuantizedLinearNode final : public OpNode {
     } else {
       rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.chunks * kQuantBlock)));
     }
-    gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(geometry_.gather_bytes())));
+    gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(gather_bytes(geometry_))));
   }
 
   int phases() const override { return 2; }
@@ -195,7 +196,7 @@ class QuantizedLinearNode final : public OpNode {
       const Range panels = share_of(g.num_panels(), 1, turn.team, turn.tid);
       multiply_panels(g, out_, input_, weight_.data_ptr<uint8_t>(),
                       bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data(), panels.begin, panels.end,
-                      panel_scratch_[size_t(turn.tid)].data(), gathered_[size_t(turn.tid)].data());
+                      panel_scratch_[size_t(turn.tid)].data());
       return;
     }
     if (phase == 0) {
@@ -236,8 +237,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     const bfloat16* b = bias_values.empty() ? nullptr : bias_values.data();
     at::parallel_for(0, g.num_panels(), 1, [&](int64_t begin, int64_t end) {
       std::vector<bfloat16> scratch(size_t(g.panel_elems()));
-      std::vector<uint8_t> gathered(size_t(g.gather_bytes()));
-      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data(), gathered.data());
+      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data());
     });
     return;
   }
@@ -253,7 +253,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
   const float* b = bias_values.empty() ? nullptr : bias_values.data();
   const int64_t unit = g.interleaved ? kInterleavedRows : 1;  // output features, whole groups when interleaved
   at::parallel_for(0, g.out_features / unit, kFeaturesPerTask / unit, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> gathered(size_t(g.gather_bytes()));
+    std::vector<uint8_t> gathered(size_t(gather_bytes(g)));
     multiply_rows(g, out_ptr, quantized, w, b, begin * unit, end * unit, gathered.data());
   });
 }

@@ -41,9 +41,9 @@ __global__ void quantized_gemv_kernel(Out* out, const In* input, int64_t input_s
   for (int64_t c = lane; c < chunks; c += 32) {
     WeightChunk chunk;
     cpu::decode_chunk(format, chunk_block(w, format, c), int(c % cpu::quant_block_chunks(format)), &chunk);
-    float w[cpu::kQuantBlock];
+    float values[cpu::kQuantBlock];
 #pragma unroll
-    for (int j = 0; j < cpu::kQuantBlock; ++j) w[j] = chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset;
+    for (int j = 0; j < cpu::kQuantBlock; ++j) values[j] = chunk.scale[j / 16] * float(chunk.code[j]) + chunk.offset;
     // Unrolled over the most rows, so that acc stays in registers (a loop to `rows` would index
     // it at run time and put it in local memory).
 #pragma unroll
@@ -57,7 +57,7 @@ __global__ void quantized_gemv_kernel(Out* out, const In* input, int64_t input_s
         for (int p = 0; p < cpu::kQuantBlock / kPack; ++p) {
           const cuda_kernels::Pack<In> pack = cuda_kernels::load_pack(x + p * kPack);
 #pragma unroll
-          for (int j = 0; j < kPack; ++j) sum += w[p * kPack + j] * cuda_kernels::load_float(pack.v[j]);
+          for (int j = 0; j < kPack; ++j) sum += values[p * kPack + j] * cuda_kernels::load_float(pack.v[j]);
         }
         acc[r] += sum;
       }

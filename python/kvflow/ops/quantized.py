@@ -30,18 +30,23 @@ def type_name(ggml_type: int) -> str:
     return GGML_TYPE_NAMES.get(ggml_type, str(ggml_type))
 
 
+def _interleaved_header(ggml_type: int) -> int:
+    """The bytes of a Q4_0 (d) or Q4_1 (d, m) block before its nibbles; a ValueError for any other type."""
+    if ggml_type not in INTERLEAVED_TYPES:
+        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+    return 4 if ggml_type == GGML_Q4_1 else 2
+
+
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """A Q4_0 or Q4_1 weight uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS) in the
     interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and each
     block, the 8 rows' d, then (Q4_1) their 8 m, then 4 pieces of 32 bytes, piece k holding nibble
     bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
-    if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+    header = _interleaved_header(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:
         raise ValueError(f"interleaving takes a multiple of {INTERLEAVED_ROWS} rows, got {rows}")
     block_bytes = BLOCK_BYTES[ggml_type]
-    header = 4 if ggml_type == GGML_Q4_1 else 2
     blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
     scales = [blocks[..., i:i + 2].transpose(1, 2).flatten(2) for i in range(0, header, 2)]  # [groups, blocks, 16]
     nibbles = blocks[..., header:].unflatten(-1, (4, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 128]
@@ -51,11 +56,9 @@ def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
 def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The inverse of interleave_rows: a weight in the interleaved layout of Q4_0 or Q4_1
     (ggml_type the GGML type) back in the GGUF file's rows."""
-    if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+    header = _interleaved_header(ggml_type)
     rows, row_bytes = weight.shape
     block_bytes = BLOCK_BYTES[ggml_type]
-    header = 4 if ggml_type == GGML_Q4_1 else 2
     groups = weight.reshape(rows // INTERLEAVED_ROWS, row_bytes // block_bytes, INTERLEAVED_ROWS * block_bytes)
     scales = [groups[..., 8 * i:8 * i + 16].unflatten(-1, (INTERLEAVED_ROWS, 2)).transpose(1, 2)
               for i in range(0, header, 2)]  # [groups, 8, blocks, 2]
