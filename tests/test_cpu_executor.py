@@ -2,13 +2,15 @@
 replayed from the model's own op calls must equal the same step run op by op, bit for bit (logits
 and every KV cache), for every layer kind (Qwen3's QK-norm, SmolLM3's layers without rope and
 Gemma's scaled embeddings and (1 + w) norms, Gemma 2's sandwich norms and soft caps, Gemma 3's two
-rotations among them), at 1, 2 and 3 threads and on every instruction set;
-and the op-by-op step must equal plain float32 PyTorch written from the formulas, so that the two
-cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs through the
-executor too. A bad step is refused before any node writes."""
+rotations among them, Phi-4-mini's partial rotary), on plain, packed and quantized weights (every
+GGUF type kept in blocks), at 1, 2 and 3 threads and on every instruction set; and both must
+equal plain PyTorch written from the formulas (float32 and bfloat16, within stated bounds), so
+that the two cannot agree on a wrong answer. A layer written in Python only (QK-norm, GELU) runs
+through the executor too. A bad step is refused before any node writes."""
 
 import math
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -31,7 +33,8 @@ from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 from kvflow.ops.quantized import (BLOCK_VALUES, GGML_Q4_0, GGML_Q4_0_INTERLEAVED, GGML_Q4_1, GGML_Q4_1_INTERLEAVED,
-                                  GGML_Q4_K, GGML_Q5_1, GGML_Q6_K, GGML_Q8_0, INTERLEAVED_TYPES, interleave_rows)
+                                  GGML_Q4_K, GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, INTERLEAVED_TYPES,
+                                  deinterleave_rows, interleave_rows)
 
 BLOCK = 16
 VARIANTS = {
@@ -55,6 +58,7 @@ VARIANTS = {
     # models skip: see tests/test_hf_checkpoints.py)
     "granite": {"attention_scale": 0.05, "embedding_multiplier": 3.0, "logits_scaling": 2.5},
     "head_dim_96": {"head_dim": 96},  # Phi-3 / Phi-4-mini's head size: not a power of two
+    "partial_rotary": {"head_dim": 96, "rotary_dim": 72},  # Phi-4-mini: partial_rotary_factor 0.75
 }
 
 
@@ -177,7 +181,7 @@ def test_replay_equals_op_by_op(dtype, variant, context_lens, threads, cpu_isa):
     assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, dtype))
 
 
-@pytest.mark.parametrize("variant", ["llama", "qkv_bias", "sliding_window"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("batch", [9, 13, 40])
 def test_replay_on_packed_weights_equals_op_by_op(variant, batch, threads, cpu_isa):
     """More than 8 rows on prepacked bfloat16 weights (packed_linear, packed_silu_and_mul), in a
@@ -187,6 +191,25 @@ def test_replay_on_packed_weights_equals_op_by_op(variant, batch, threads, cpu_i
     context_lens = [(7 * i) % 130 for i in range(batch)]
     assert program_batch_size(batch) % 8 == 0
     assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, torch.bfloat16))
+
+
+def quantized_activations(x):
+    """x as quantized_linear multiplies it, from the formula (docs/ops.md): each block of 32
+    values becomes int8 codes q = round(127 x / max|x|) times the scale max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(127 * blocks / amax), torch.zeros_like(blocks))
+    return (codes * (amax / 127)).reshape(x.shape)
+
+
+def dequantized_weight(module):
+    """A quantized Linear's weight in float32, dequantized by the gguf package."""
+    blocks = module.weight.data
+    base = {layout: base for base, layout in INTERLEAVED_TYPES.items()}.get(module.ggml_type, module.ggml_type)
+    if base != module.ggml_type:
+        blocks = deinterleave_rows(blocks, base)
+    values = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(base))
+    return torch.from_numpy(values.copy()).reshape(module.out_features, module.in_features)
 
 
 def reference_logits(model, ids, md, kv):
@@ -206,20 +229,27 @@ def reference_logits(model, ids, md, kv):
     def soft_cap(x, cap):
         return x if cap is None else cap * torch.tanh(x / cap)
 
+    rotary_dim = config.rotary_dim or d  # Phi-4-mini: only the leading features of each head rotate
+
     def rotation(i):
-        """cos, sin [tokens, d / 2]: Gemma 3's windowed layers rotate with local_rope_theta, unscaled."""
+        """cos, sin [tokens, rotary_dim / 2]: Gemma 3's windowed layers rotate with
+        local_rope_theta, unscaled."""
         local = config.local_rope_theta is not None and config.sliding_window_of(i) is not None
         base = config.local_rope_theta if local else config.rope_theta
         assert config.rope_scaling is None or config.rope_scaling["rope_type"] == "linear"
         factor = 1.0 if local or config.rope_scaling is None else config.rope_scaling["factor"]
-        angles = torch.outer(positions.double() / factor, base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        angles = torch.outer(positions.double() / factor, base ** -exponents)
         return angles.cos().float(), angles.sin().float()
 
     def rms(x, w, offset=0.0):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * (w.float() + offset)
 
     def linear(x, module):
-        return F.linear(x, module.weight.float(), None if module.bias is None else module.bias.float())
+        bias = None if module.bias is None else module.bias.float()
+        if getattr(module, "ggml_type", None) is None:
+            return F.linear(x, module.weight.float(), bias)
+        return F.linear(quantized_activations(x), dequantized_weight(module), bias)
 
     positions = md.positions
     residual = model.embed_tokens.weight.float()[ids] * model.embed_tokens.scale
@@ -237,8 +267,10 @@ def reference_logits(model, ids, md, kv):
         cos, sin = rotation(i)
 
         def rotate(t, n):
-            a, b = t.view(len(positions), n, d).chunk(2, -1)
-            return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None]], -1)
+            t = t.view(len(positions), n, d)
+            a, b = t[..., :rotary_dim].chunk(2, -1)
+            return torch.cat([a * cos[:, None] - b * sin[:, None], b * cos[:, None] + a * sin[:, None],
+                              t[..., rotary_dim:]], -1)
 
         if config.uses_rope(i):
             q, k = rotate(q, heads), rotate(k, kv_heads)
@@ -280,19 +312,99 @@ def reference_logits(model, ids, md, kv):
     return soft_cap(F.linear(x, head.float()) / config.logits_scaling, config.final_logit_soft_cap)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("context_lens", [[37], [5, 240, 30]])
-def test_op_by_op_and_replay_match_plain_pytorch(variant, context_lens):
-    model = small_model(torch.float32, variant)
-    ids, md, kv = decode_step(model, context_lens, torch.float32)
+# How far a step's logits may be from plain float32 PyTorch on the same weights, as a fraction of
+# the logits' range: float32 differs in summation order only; bfloat16 rounds every activation
+# and cache entry (2^-9 relative) through two layers.
+PLAIN_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# With quantized weights the activations are rounded to 8 bits a block (1/254 of the block's
+# largest value): where the reference's float32 sums differ in their last bit, a value on a
+# rounding boundary takes the neighbouring code, and in bfloat16 many values do.
+QUANTIZED_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1}
+
+
+def assert_matches_plain_pytorch(model, context_lens, dtype, tolerance=PLAIN_TOLERANCE):
+    """Op by op and the replay against reference_logits, and the replay's greedy tokens wherever
+    the reference's top two logits are further apart than the tolerance."""
+    ids, md, kv = decode_step(model, context_lens, dtype)
     expected = reference_logits(model, ids, md, kv)
     kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
-    torch.testing.assert_close(op_by_op(model, ids, md, kv), expected, rtol=1e-4, atol=1e-4)
-    logits, tokens, _ = replay(model, ids, md, kv_replayed, times=1)
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    bound = tolerance[dtype] * float(expected.max() - expected.min())
+    torch.testing.assert_close(op_by_op(model, ids, md, kv).float(), expected, rtol=0, atol=bound)
+    logits, tokens, programs = replay(model, ids, md, kv_replayed, times=1)
+    assert programs.replays == 1
+    torch.testing.assert_close(logits.float(), expected, rtol=0, atol=bound)
     top2 = expected.topk(2).values
-    clear = top2[:, 0] - top2[:, 1] > 1e-3  # rows whose argmax no rounding can change
+    clear = top2[:, 0] - top2[:, 1] > 2 * bound  # rows whose argmax no rounding can change
     assert torch.equal(tokens[clear], expected.argmax(-1)[clear])  # greedy rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("context_lens", [[37], [5, 240, 30]])
+def test_op_by_op_and_replay_match_plain_pytorch(variant, context_lens, dtype, threads, cpu_isa):
+    assert_matches_plain_pytorch(small_model(dtype, variant), context_lens, dtype)
+
+
+QUANTIZED_LAYER_TYPES = [GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0, GGML_Q5_0, GGML_Q5_1, GGML_Q4_K,
+                         GGML_Q5_K, GGML_Q6_K]
+
+
+def quantized_model(dtype, ggml_type):
+    """A Qwen2-like small_model (q/k/v biases) whose every layer projection holds random GGUF
+    blocks of ggml_type (interleaved as the loader does for the interleaved types); widths are
+    multiples of 256, the K-quants' block."""
+    model = small_model(dtype, "qkv_bias", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
+    base = {layout: base for base, layout in INTERLEAVED_TYPES.items()}.get(ggml_type, ggml_type)
+    rng = np.random.default_rng(ggml_type)
+    for module in model.layers.modules():
+        if isinstance(module, Linear):
+            assert module.hold_quantized(base)
+            blocks = random_blocks(base, module.out_features, module.in_features, rng)
+            module.weight.data.copy_(torch.from_numpy(scaled_blocks(blocks, base, module.in_features ** -0.5)))
+            assert module.interleave_rows() == (base != ggml_type)
+    return model
+
+
+# Where each format keeps the float16 scales that multiply every weight of a block (d, and the
+# offsets m or dmin): scaling them scales the block's weights.
+BLOCK_SCALE_BYTES = {GGML_Q4_0: [(0, 2)], GGML_Q5_0: [(0, 2)], GGML_Q8_0: [(0, 2)], GGML_Q4_1: [(0, 4)],
+                     GGML_Q5_1: [(0, 4)], GGML_Q4_K: [(0, 4)], GGML_Q5_K: [(0, 4)], GGML_Q6_K: [(208, 210)]}
+
+
+def scaled_blocks(blocks, ggml_type, rms):
+    """random_blocks' weights (up to a few units) scaled to about the given root mean square, as
+    a trained model's are: softmax over scores of a few units, not saturated."""
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(ggml_type))
+    factor = rms / float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
+    blocks = blocks.reshape(-1, blocks.shape[-1] // (values.shape[-1] // BLOCK_VALUES[ggml_type])).copy()
+    for begin, end in BLOCK_SCALE_BYTES[ggml_type]:
+        scales = np.ascontiguousarray(blocks[:, begin:end]).view(np.float16)
+        blocks[:, begin:end] = (scales.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+    return blocks.reshape(values.shape[0], -1)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_weights_match_plain_pytorch(variant, threads):
+    """12 rows: every product on the packed bfloat16 weights."""
+    model = small_model(torch.bfloat16, variant, tie=True)
+    model.prepack_linear_weights()
+    assert_matches_plain_pytorch(model, [(11 * i) % 130 for i in range(12)], torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ggml_type", QUANTIZED_LAYER_TYPES)
+def test_replay_on_quantized_weights_equals_op_by_op(ggml_type, dtype, threads, cpu_isa):
+    model = quantized_model(dtype, ggml_type)
+    assert_replay_equals_op_by_op(model, *decode_step(model, [5, 240, 30], dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ggml_type", QUANTIZED_LAYER_TYPES)
+def test_quantized_layers_match_plain_pytorch(ggml_type, dtype):
+    """reference_logits multiplies the gguf package's dequantized weights by the activations
+    quantized as the formula says (quantized_activations). float32 is the sharp check (1e-3 of
+    the logits' range; measured 1e-7 to 3e-4), bfloat16 a coarse one."""
+    assert_matches_plain_pytorch(quantized_model(dtype, ggml_type), [5, 240, 30], dtype, QUANTIZED_TOLERANCE)
 
 
 class QKNormGeluLayer(nn.Module):
@@ -366,16 +478,66 @@ class QKNormGeluModel(nn.Module):
         return logits
 
 
-def test_a_layer_written_in_python_only_runs_through_the_executor(threads):
+def qk_norm_gelu_reference_logits(model, ids, md, kv):
+    """QKNormGeluModel's decode step in plain float32 PyTorch from the formulas."""
+    config = model.config
+    heads, kv_heads, d, eps = config.num_heads, config.num_kv_heads, config.head_dim, 1e-6
+    positions, tokens = md.positions, len(ids)
+
+    def rms(x, norm, epsilon=eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon) * norm.weight.float()
+
+    def linear(x, module):
+        return F.linear(x, module.weight.float())
+
+    angles = torch.outer(positions.double(), config.rope_theta ** -(torch.arange(0, d, 2, dtype=torch.float64) / d))
+    cos, sin = angles.cos().float()[:, None], angles.sin().float()[:, None]
+
+    def rotate(t):
+        a, b = t.chunk(2, -1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+    residual = model.embed_tokens.weight.float()[ids]
+    hidden = None
+    for layer, (key_cache, value_cache) in zip(model.layers, kv):
+        residual = residual if hidden is None else residual + hidden
+        x = rms(residual, layer.input_norm)
+        q = rotate(rms(linear(x, layer.q).view(tokens, heads, d), layer.q_norm))
+        k = rotate(rms(linear(x, layer.k).view(tokens, kv_heads, d), layer.k_norm))
+        v = linear(x, layer.v).view(tokens, kv_heads, d)
+        outputs = []
+        for b in range(tokens):
+            pos, table = int(positions[b]), md.block_tables[b].tolist()
+            slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(pos)]
+            keys = torch.cat([key_cache.view(-1, kv_heads, d)[slots].float(), k[b:b + 1]])
+            values = torch.cat([value_cache.view(-1, kv_heads, d)[slots].float(), v[b:b + 1]])
+            keys, values = (t.repeat_interleave(heads // kv_heads, 1) for t in (keys, values))
+            scores = torch.einsum("hd,khd->hk", q[b], keys) * d ** -0.5
+            outputs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), values).reshape(-1))
+        residual = residual + linear(torch.stack(outputs), layer.o)
+        x = rms(residual, layer.output_norm)
+        gate, up = linear(x, layer.gate_up).chunk(2, -1)
+        hidden = linear(F.gelu(gate) * up, layer.down)
+    x = rms(residual + hidden, model.norm, config.rms_norm_eps)
+    return F.linear(x, model.lm_head.weight.float())
+
+
+def test_a_layer_written_in_python_only_runs_through_the_executor(threads, cpu_isa):
+    """Bit for bit what its op-by-op forward gives, and both within PLAIN_TOLERANCE of plain
+    PyTorch."""
     llama = small_model(torch.bfloat16)
     torch.manual_seed(1)
     model = QKNormGeluModel(llama)
     ids, md, kv = decode_step(llama, [37, 3, 130], torch.bfloat16)
+    expected = qk_norm_gelu_reference_logits(model, ids, md, kv)
+    bound = PLAIN_TOLERANCE[torch.bfloat16] * float(expected.max() - expected.min())
+    torch.testing.assert_close(op_by_op(model, ids, md, [(k.clone(), v.clone()) for k, v in kv]).float(), expected,
+                               rtol=0, atol=bound)
     assert_replay_equals_op_by_op(model, ids, md, kv)
 
 
-@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_1, GGML_Q4_K, GGML_Q6_K,
-                                       GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED])
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K,
+                                       GGML_Q6_K, GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
     """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a

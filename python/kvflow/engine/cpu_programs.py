@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvflow import _C
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.sampling_params import SamplingParams
+from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 from kvflow.ops.sampling import sample
 
 aten = torch.ops.aten
@@ -46,9 +47,15 @@ _VIEWS = {aten.view, aten._unsafe_view, aten.split, aten.split_with_sizes, aten.
 ARENA_ALIGNMENT = 64
 
 
+# Above the small-row threshold, decode steps share a class per this many requests (padded).
+BATCH_CLASS_STEP = 8
+
+
 def program_batch_size(n: int) -> int:
-    """The class a decode step of n requests runs in: n up to 8, else the next multiple of 8."""
-    return n if n <= 8 else -(-n // 8) * 8
+    """The class a decode step of n requests runs in: n itself up to SMALL_LINEAR_MAX_ROWS (each
+    row costs a weight read there, so no padding), else the next multiple of BATCH_CLASS_STEP,
+    which stays on the many-row side of the threshold."""
+    return n if n <= SMALL_LINEAR_MAX_ROWS else -(-n // BATCH_CLASS_STEP) * BATCH_CLASS_STEP
 
 
 @dataclass
