@@ -367,6 +367,35 @@ inline void check_scale_logits_args(const at::Tensor& logits, double divisor, do
               " must be finite and >= 0 (0 = no cap)");
 }
 
+// apply_token_bitmask: float32 logits [rows, vocab] (unit stride along the vocabulary); a
+// contiguous int32 bitmask [mask rows, words] on the same device; rows, when given, a contiguous
+// int64 [mask rows] of logits rows (checked in range by the caller, which can read them), else
+// one mask row per logits row.
+inline void check_token_bitmask_args(const at::Tensor& logits, const at::Tensor& bitmask,
+                                     const std::optional<at::Tensor>& rows) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "apply_token_bitmask needs float32 logits, got ",
+              logits.scalar_type());
+  check_logits_rows(logits);
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt, "apply_token_bitmask: bitmask must be int32 (32 tokens a word), got ",
+              bitmask.scalar_type());
+  TORCH_CHECK(bitmask.dim() == 2, "apply_token_bitmask: bitmask must be [mask rows, words], got shape ",
+              bitmask.sizes());
+  TORCH_CHECK(bitmask.is_contiguous(), "apply_token_bitmask: bitmask must be contiguous");
+  TORCH_CHECK(bitmask.device() == logits.device(), "apply_token_bitmask: bitmask is on ", bitmask.device(),
+              ", logits on ", logits.device());
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong, "apply_token_bitmask: rows must be int64, got ", rows->scalar_type());
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == bitmask.size(0), "apply_token_bitmask: rows must be [",
+                bitmask.size(0), "] (one per mask row), got shape ", rows->sizes());
+    TORCH_CHECK(rows->is_contiguous(), "apply_token_bitmask: rows must be contiguous");
+    TORCH_CHECK(rows->device() == logits.device(), "apply_token_bitmask: rows is on ", rows->device(), ", logits on ",
+                logits.device());
+  } else {
+    TORCH_CHECK(bitmask.size(0) == logits.size(0), "apply_token_bitmask: ", bitmask.size(0),
+                " mask rows for ", logits.size(0), " logits rows; pass rows to mask some of them");
+  }
+}
+
 struct SamplingGeometry {
   int64_t batch;
   int64_t vocab;

@@ -59,6 +59,9 @@ TORCH_LIBRARY(kvflow, m) {
   m.def("scale_logits(Tensor! logits, float divisor=1.0, float soft_cap=0.0) -> ()");
   // The distribution sample() draws from, as logits: divided by T, filtered tokens set to -inf.
   m.def("apply_sampling_filters(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> ()");
+  // Structured output: in the logits rows a grammar constrains, every token its bitmask does not
+  // allow (bit t % 32 of word t / 32; tokens past the last word too) becomes -inf.
+  m.def("apply_token_bitmask(Tensor! logits, Tensor bitmask, Tensor? rows=None) -> ()");
   // Repetition (prompt and output tokens), frequency and presence (output counts) penalties.
   m.def(
       "apply_penalties(Tensor! logits, Tensor prompt_token_ids, Tensor prompt_offsets, Tensor output_token_ids, "
@@ -97,6 +100,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("sample", &kvflow::cpu::sample);
   m.impl("scale_logits", &kvflow::cpu::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cpu::apply_sampling_filters);
+  m.impl("apply_token_bitmask", &kvflow::cpu::apply_token_bitmask);
   m.impl("apply_penalties", &kvflow::cpu::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cpu::compute_logprobs);
   m.impl("small_linear", &kvflow::cpu::small_linear);
@@ -123,6 +127,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("sample", &kvflow::cuda::sample);
   m.impl("scale_logits", &kvflow::cuda::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cuda::apply_sampling_filters);
+  m.impl("apply_token_bitmask", &kvflow::cuda::apply_token_bitmask);
   m.impl("apply_penalties", &kvflow::cuda::apply_penalties);
   m.impl("compute_logprobs", &kvflow::cuda::compute_logprobs);
   m.impl("quantized_linear", &kvflow::cuda::quantized_linear);

