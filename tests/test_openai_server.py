@@ -7,6 +7,7 @@ answers 503; /metrics parses and counts what was sent; SIGTERM drains and exits 
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,6 +176,65 @@ def test_32_concurrent_streams_all_finish(served):
     for finish, got, want in asyncio.run(run()):
         assert finish == "length" and got == want
     wait_idle(engine)
+
+
+# ------------------------------------------------------------------ structured output
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def is_person(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
+
+
+def test_response_format_json_schema_streamed_and_not(served, client):
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                           temperature=0, max_tokens=80)
+    assert whole.choices[0].finish_reason == "stop" and is_person(whole.choices[0].message.content)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, response_format=response_format,
+                                            temperature=0, max_tokens=80, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_response_format_json_object(served, client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    assert out.choices[0].finish_reason == "stop" and isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_structured_outputs_extra_body_choice_and_regex(served, client):
+    choices = ["red", "green", "blue"]
+    out = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=10, temperature=1.0,
+                                    n=3, seed=5, extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model=MODEL, prompt="The year was", max_tokens=10, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
+    assert re.fullmatch("(19|20)[0-9]{2}", out.choices[0].text)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs.json"),
+])
+def test_bad_constraints_are_400s_naming_the_field(served, body, param):
+    url, engine, _ = served
+    response = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param), error
+    assert not engine.has_unfinished_requests()
 
 
 # ------------------------------------------------------------------ bad input and access

@@ -12,7 +12,8 @@ from kvflow.attention_metadata import AttentionMetadata
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "SamplingParams", "ops", "__version__"]
+__all__ = ["LLM", "AttentionMetadata", "BlockAllocator", "OutOfBlocksError", "SamplingParams", "StructuredOutputsParams",
+           "ops", "__version__"]
 
 
 def __getattr__(name):
@@ -21,8 +22,8 @@ def __getattr__(name):
         from kvflow.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from kvflow.engine.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from kvflow.engine import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

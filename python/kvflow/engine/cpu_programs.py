@@ -131,7 +131,7 @@ class CapturedStep:
 class DecodeStepResult:
     logits: torch.Tensor    # float32 [n, vocab_size], a view of the program's arena until its next run
     token_ids: list[int]    # sampled from those logits
-    needs_logits: bool      # some request asks for log-probabilities or penalties
+    needs_logits: bool      # some request asks for log-probabilities, penalties or a grammar mask
 
 
 def capture(fn) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], CapturedStep | None, str | None]:
@@ -361,7 +361,7 @@ class _StaticInputs:
         c["top_p"][row], c["min_p"][row], c["seeds"][row] = params.top_p, params.min_p, seed
         del self._sampling_of[row:]
         # params held, so that no other request reuses its id
-        self._sampling_of.append((params, seed, params.logprobs is not None or params.has_penalties))
+        self._sampling_of.append((params, seed, params.needs_logits))
 
     def _pad(self, n: int) -> None:
         c = self._columns

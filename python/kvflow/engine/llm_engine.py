@@ -22,6 +22,7 @@ from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, c
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.stop_strings import StopStringMatcher
+from kvflow.engine.structured_output import StructuredOutputCompiler
 from kvflow.loader import load_model
 from kvflow.tokenizer import IncrementalDetokenizer
 
@@ -106,6 +107,7 @@ class LLMEngine:
         self._unforked_samples = 0       # samples 1..n-1 of requests whose prompt is not computed yet
         self._step_failures = 0          # model steps that raised (each aborted its requests)
         self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
+        self._grammar_compiler: StructuredOutputCompiler | None = None  # made for the first constrained request
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
@@ -131,10 +133,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.prompt_token_ids(prompt)
         self.check_request(ids, params)
+        grammar = None if params.structured_outputs is None else self.compile_grammar(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         samples = []
         for index in range(params.n):
             seq = Sequence(request_id, ids, params, sample_seed(seed, index), index)
+            if grammar is not None:  # each sample its own matcher
+                seq.grammar = self._grammar_compiler.matcher(grammar)
             if arrival_time is not None:
                 seq.times.arrival = arrival_time
             samples.append(_Sample(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
@@ -173,6 +178,13 @@ class LLMEngine:
             raise SamplingParamsError("stop_token_ids", f"must be token ids in [0, {vocab})")
         self.scheduler.check_fits(len(prompt_token_ids), params.max_tokens)
 
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a request's structured_outputs (SamplingParamsError for one that
+        cannot be compiled)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler.compile(params.structured_outputs)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its blocks. Returns its final output (the unfinished
         samples with finish_reason "abort"); None for an unknown or finished id."""
@@ -187,6 +199,7 @@ class LLMEngine:
             if not sample.seq.status.finished:
                 sample.seq.times.finished = now
                 self.scheduler.finish(sample.seq, SequenceStatus.FINISHED_ABORTED)
+            sample.seq.grammar = None
             sample.delta_text, sample.delta_token_ids = "", []
         return self._output(request)
 
@@ -233,7 +246,7 @@ class LLMEngine:
             start = seq.num_computed_tokens
             batch.append(ScheduledRequest(seq.tokens(start, s.num_new_tokens), start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
-                                          seq.output_token_ids))
+                                          seq.output_token_ids, seq.grammar if s.samples else None))
         governor = self.cpu_threads
         one_thread = governor is not None and governor.begin_step()
         try:
@@ -301,7 +314,18 @@ class LLMEngine:
         """Detokenizes the sample's new token and applies the stop conditions."""
         seq, params = sample.seq, sample.seq.params
         token = seq.output_token_ids[-1]
-        if (not params.ignore_eos and token in self.tokenizer.stop_token_ids) or token in params.stop_token_ids:
+        grammar_done = False
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):  # the mask allowed it: a grammar engine fault
+                logger.error("kvflow: request %s: the grammar refused token %d that its own mask allowed; the "
+                             "sample is aborted", seq.request_id, token)
+                seq.times.finished = now
+                seq.grammar = None
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                return
+            grammar_done = seq.grammar.finished  # it accepted a stop token: the output is complete
+        if ((not params.ignore_eos and token in self.tokenizer.stop_token_ids) or token in params.stop_token_ids
+                or grammar_done):
             # An end token ends the text before it, as in vLLM: its own text is not returned.
             finish = SequenceStatus.FINISHED_STOPPED
             delta, stopped = sample.stops.feed(sample.detokenizer.flush())
@@ -322,6 +346,7 @@ class LLMEngine:
         sample.delta_token_ids.append(token)
         if finish is not None:
             seq.times.finished = now
+            seq.grammar = None
             self.scheduler.finish(seq, finish)
 
     def _output(self, request: _Request) -> RequestOutput:

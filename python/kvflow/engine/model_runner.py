@@ -11,9 +11,10 @@ from kvflow.engine.cpu_programs import CpuDecodePrograms
 from kvflow.engine.cuda_graphs import DecodeCudaGraphs
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.sampling_params import SamplingParams
+from kvflow.engine.structured_output import GrammarMatcher
 from kvflow.models.config import ModelConfig
 from kvflow.ops.cache import copy_blocks
-from kvflow.ops.sampling import apply_penalties, compute_logprobs, sample
+from kvflow.ops.sampling import apply_penalties, apply_token_bitmask, compute_logprobs, sample
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ScheduledRequest:
     seed: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)  # read for penalties
     output_token_ids: list[int] = field(default_factory=list)  # the tokens sampled so far
+    grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
 
     @property
     def seq_len(self) -> int:
@@ -120,14 +122,18 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 token_ids: list[int] | None = None) -> list[SampledToken]:
-        """Penalties, then the draw (again, where penalties changed the logits that a CPU program
-        drew token_ids from), then log-probabilities of the raw logits."""
+        """Grammar masks, then penalties, then the draw (again, where they changed the logits
+        that a CPU program drew token_ids from), then log-probabilities of the raw logits."""
         params = [r.sampling for r in requests]
         raw_logits = logits
-        if any(p.has_penalties for p in params):
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained or any(p.has_penalties for p in params):
             if any(p.logprobs is not None for p in params):
                 raw_logits = logits.clone()
-            self._apply_penalties(logits, requests)
+            if constrained:
+                self._apply_grammar_masks(logits, requests, constrained)
+            if any(p.has_penalties for p in params):
+                self._apply_penalties(logits, requests)
             token_ids = None
         if token_ids is None:
             tokens = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
@@ -145,6 +151,15 @@ class ModelRunner:
                     results[i].logprob = chosen[i]
                     results[i].top_logprobs = list(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs]))
         return results
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                             constrained: list[int]) -> None:
+        """Each constrained row's allowed next tokens, from its grammar matcher on the host, as -inf
+        elsewhere in its logits."""
+        bitmask = torch.full((len(constrained), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+        for mask_row, i in enumerate(constrained):
+            requests[i].grammar.fill_bitmask(bitmask, mask_row)
+        apply_token_bitmask(logits, bitmask.to(logits.device), constrained)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
         def packed(lists):

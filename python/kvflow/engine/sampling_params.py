@@ -4,6 +4,7 @@ Every field is checked for its type and for the range the kernels represent it i
 int64 or float32, after the conversion), so that a request that is accepted can never fail a
 model step for the others in its batch."""
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -78,6 +79,63 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+# Structured output's constraints, as vLLM names them.
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, as vLLM's StructuredOutputsParams names them: json (a JSON schema,
+    as a dict or its text), json_object (any JSON object), regex, choice (the output is one of
+    these strings), grammar (EBNF, as xgrammar reads it: `root ::= ...`)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    _key: tuple = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self):
+        name = "structured_outputs"
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError(f"{name}.json_object", f"must be true or false, got {self.json_object!r}")
+        given = [kind for kind in CONSTRAINT_KINDS
+                 if (getattr(self, kind) is True if kind == "json_object" else getattr(self, kind) is not None)]
+        if len(given) != 1:
+            raise SamplingParamsError(name, f"must set exactly one of {', '.join(CONSTRAINT_KINDS)}; got "
+                                            f"{', '.join(given) if given else 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as error:
+                    raise SamplingParamsError(f"{name}.json", f"is not valid JSON: {error}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamsError(f"{name}.json", f"must be a JSON schema (an object), got "
+                                                          f"{type(schema).__name__}")
+            self._key = ("json", json.dumps(schema))  # key order kept: it is the order of the output
+        elif kind == "json_object":
+            self._key = ("json_object",)
+        elif kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise SamplingParamsError(f"{name}.choice", "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+            self._key = ("choice", tuple(self.choice))
+        else:
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise SamplingParamsError(f"{name}.{kind}", f"must be a non-empty string, got {value!r}")
+            self._key = (kind, value)
+
+    @property
+    def kind(self) -> str:
+        return self._key[0]
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -96,6 +154,7 @@ class SamplingParams:
     logprobs: int | None = None   # how many top log-probabilities to return per token (<= 20)
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"  # see OUTPUT_KINDS
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         self.max_tokens = check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -127,6 +186,9 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", f"must be StructuredOutputsParams, got "
+                                                            f"{type(self.structured_outputs).__name__}")
         if self.output_kind not in OUTPUT_KINDS:
             raise SamplingParamsError("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
 
@@ -137,3 +199,8 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def needs_logits(self) -> bool:
+        """The sampler must see the logits themselves: for log-probabilities, penalties or a grammar mask."""
+        return self.logprobs is not None or self.has_penalties or self.structured_outputs is not None

@@ -46,6 +46,9 @@ class Sequence:
         self.block_hashes: list[int] = []      # chained hashes of the full blocks registered so far
         self.num_preemptions = 0
         self.times = SequenceTimes()
+        # Structured output: this sample's place in its grammar (structured_output.GrammarMatcher),
+        # advanced by every token it accepts; None when unconstrained or once finished.
+        self.grammar = None
 
     @property
     def token_ids(self) -> list[int]:

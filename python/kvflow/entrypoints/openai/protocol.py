@@ -1,12 +1,13 @@
 """The OpenAI request bodies kvflow accepts, as pydantic models, and their translation into
 SamplingParams. Field names, defaults and ranges follow OpenAI's API reference; the vLLM extras
-(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens) sit beside them."""
+(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens,
+structured_outputs) sit beside them."""
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
-from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 
 # Strict: JSON's true is not the integer 1, and "7" is not a number, as in SamplingParams.
@@ -15,6 +16,31 @@ Number = StrictFloat | StrictInt
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or an instance of a JSON schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's structured_outputs extra body: one of json (a schema), json_object, regex, choice,
+    grammar (EBNF)."""
+    model_config = ConfigDict(populate_by_name=True)
+    json_value: dict | str | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -39,6 +65,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def num_samples(self) -> int:
@@ -51,6 +79,28 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_constraint(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as the engine's constraint (at most one of them)."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "text":
+            response_format = None
+        if response_format is not None and self.structured_outputs is not None:
+            raise SamplingParamsError("response_format", "give response_format or structured_outputs, not both")
+        if response_format is not None:
+            if response_format.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise SamplingParamsError("response_format.json_schema", "type json_schema needs json_schema.schema")
+            try:
+                return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+            except SamplingParamsError as error:
+                raise SamplingParamsError("response_format.json_schema", str(error).split(": ", 1)[1]) from None
+        body = self.structured_outputs
+        if body is None:
+            return None
+        return StructuredOutputsParams(json=body.json_value, json_object=bool(body.json_object), regex=body.regex,
+                                       choice=body.choice, grammar=body.grammar)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -68,7 +118,8 @@ class _SamplingFields(BaseModel):
             frequency_penalty=given(self.frequency_penalty, 0.0), presence_penalty=given(self.presence_penalty, 0.0),
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=given(self.ignore_eos, False),
-            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True))
+            logprobs=logprobs, skip_special_tokens=given(self.skip_special_tokens, True),
+            structured_outputs=self.structured_constraint())
 
 
 def _is_token_id(value) -> bool:
