@@ -237,6 +237,38 @@ def test_bad_constraints_are_400s_naming_the_field(served, body, param):
     assert not engine.has_unfinished_requests()
 
 
+# ------------------------------------------------------------------ tokenize and detokenize
+
+
+def test_tokenize_and_detokenize_round_trip(served):
+    url, engine, _ = served
+    tokenizer = engine.tokenizer
+    text = "The capital of France is Paris."
+    body = post(url, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == MAX_MODEL_LEN
+    assert body["token_strs"] == [tokenizer.id_to_token(t) for t in body["tokens"]]
+    assert post(url, "/detokenize", {"tokens": body["tokens"]}).json()["prompt"] == tokenizer.decode(body["tokens"])
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = post(url, "/tokenize", {"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False) and chat["token_strs"] is None
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"prompt": "x " * (MAX_MODEL_LEN * 40)}, "prompt"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+    ("/detokenize", {"tokens": "12"}, "tokens"),
+])
+def test_bad_tokenize_requests_are_400s(served, path, body, param):
+    response = post(served[0], path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+
+
 # ------------------------------------------------------------------ bad input and access
 
 

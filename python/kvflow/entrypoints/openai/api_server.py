@@ -1,7 +1,8 @@
 """`python -m kvflow serve`: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming as server-sent events
-or not), GET /v1/models, GET /health, GET /metrics (Prometheus). With an API key every /v1 route
+or not), GET /v1/models, POST /tokenize and /detokenize (as vLLM has them), GET /health, GET
+/metrics (Prometheus). With an API key every /v1 route
 wants `Authorization: Bearer KEY`. Errors come back as OpenAI error bodies, and a bad request
 never disturbs the others. On SIGTERM or Ctrl-C the server stops admitting, lets requests in
 flight finish for --shutdown-timeout seconds, aborts the rest, and exits 0."""
@@ -25,7 +26,8 @@ from starlette.exceptions import HTTPException
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineStepError
 from kvflow.engine.metrics import EngineMetrics
 from kvflow.engine.sampling_params import SamplingParamsError
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest, error_body)
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BYTES
 from kvflow.entrypoints.openai.serving import OpenAIServing, QueueFullError
 
@@ -184,6 +186,16 @@ async def _completions(body: CompletionRequest, request: Request):
 @_v1.post("/chat/completions", dependencies=[Depends(_check_accepting)])
 async def _chat_completions(body: ChatCompletionRequest, request: Request):
     return await _respond(_state(request).serving.chat, body, request)
+
+
+@_root.post("/tokenize")
+async def _tokenize(body: TokenizeRequest, request: Request):
+    return await _respond(_state(request).serving.tokenize, body, request)
+
+
+@_root.post("/detokenize")
+async def _detokenize(body: DetokenizeRequest, request: Request):
+    return await _respond(_state(request).serving.detokenize, body, request)
 
 
 @_root.get("/health")

@@ -224,6 +224,28 @@ class ChatCompletionRequest(_SamplingFields):
             raise SamplingParamsError(names[error.field], str(error).split(": ", 1)[1]) from None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the model's template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template has them)
+    return_token_strs: StrictBool = False
+
+    def check_form(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise SamplingParamsError("prompt", "give either prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise SamplingParamsError("messages", "must not be empty")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
     """The error object OpenAI's API returns."""

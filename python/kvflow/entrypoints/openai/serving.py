@@ -16,7 +16,8 @@ from kvflow.engine.outputs import CompletionOutput, RequestOutput
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvflow.entrypoints.openai.prompt_tokenizer import PromptTokenizer
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest, error_body)
 
 
 class QueueFullError(Exception):
@@ -99,6 +100,32 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason} for c in outputs[0].outputs]
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([ids], outputs)}
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: the ids a prompt or a conversation gives (and their token strings)."""
+        request.check_form()
+        if request.prompt is not None:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            ids = await self.prompt_tokenizer.encode(request.prompt, add_special_tokens=add_special)
+        else:
+            try:
+                text = await self.prompt_tokenizer.render_chat([m.as_template_message() for m in request.messages],
+                                                               request.add_generation_prompt)
+            except jinja2.TemplateError as error:
+                raise ValueError(f"the chat template rejected the messages: {error}") from error
+            ids = await self.prompt_tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens),
+                                                     field="messages")
+        tokenizer = self.prompt_tokenizer.tokenizer
+        strs = [tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids, special tokens kept."""
+        vocab = self.engine.engine.model_config.vocab_size
+        for i, token in enumerate(request.tokens):
+            if not 0 <= token < vocab:
+                raise SamplingParamsError("tokens", f"tokens[{i}] = {token} is not a token id in [0, {vocab})")
+        return {"prompt": await self.prompt_tokenizer.decode(list(request.tokens))}
 
     async def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation's prompt as token ids, rendered and tokenized on the tokenizer thread."""
