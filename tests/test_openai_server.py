@@ -237,6 +237,104 @@ def test_bad_constraints_are_400s_naming_the_field(served, body, param):
     assert not engine.has_unfinished_requests()
 
 
+# ------------------------------------------------------------------ tool calls
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_calls(calls, names):
+    assert calls and all(c.type == "function" and c.id.startswith("call_") and c.function.name in names for c in calls)
+    for c in calls:
+        arguments = json.loads(c.function.arguments)
+        assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 30
+        if c.function.name == "get_weather":
+            assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("C", "F")
+        else:
+            assert set(arguments) == {"city"}
+
+
+@pytest.mark.parametrize("tool_choice,names", [
+    ("required", {"get_weather", "get_time"}),
+    ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+])
+def test_forced_tool_calls_follow_the_tools_schemas_streamed_and_not(served, client, tool_choice, names):
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, tool_choice=tool_choice,
+                                           temperature=0, max_tokens=120)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    check_calls(choice.message.tool_calls, names)
+    if not isinstance(tool_choice, str):
+        assert len(choice.message.tool_calls) == 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS,
+                                                 tool_choice=tool_choice, temperature=0, max_tokens=120, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in content and content.strip() == ""
+    streamed = {}
+    for c in chunks:
+        for delta in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = streamed.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            entry["id"] = delta.id or entry["id"]
+            entry["name"] = (delta.function.name if delta.function and delta.function.name else entry["name"])
+            entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert all(e["id"] and e["id"].startswith("call_") for e in streamed.values())
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_auto_and_none(served, client):
+    """auto: whatever the model writes, a call is returned as tool_calls and its markup never as
+    content; none: the tools are not offered, the answer is text."""
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, tool_choice="auto",
+                                         temperature=0, max_tokens=80).choices[0]
+    assert "<tool_call>" not in (out.message.content or "")
+    if out.message.tool_calls:
+        assert out.finish_reason == "tool_calls"
+        check_calls(out.message.tool_calls, {"get_weather", "get_time"})
+    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER_TOOLS, tool_choice="none",
+                                          temperature=0, max_tokens=20).choices[0]
+    assert none.message.tool_calls is None and none.message.content
+
+
+def test_a_conversation_with_a_tool_result_renders_it_for_a_template_without_tools(served, client):
+    """SmolLM2's template has no tools branch: the tools go into the system prompt and earlier
+    calls and results are written in the Hermes format, which the rendered prompt shows."""
+    url, engine, _ = served
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, tool_choice="none",
+                                            temperature=0, max_tokens=20).choices[0]
+    assert answer.message.content
+    prompt = engine.tokenizer.decode(post(url, "/tokenize", {"messages": messages}).json()["tokens"])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": WEATHER_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+])
+def test_bad_tool_requests_are_400s(served, body, param):
+    url, engine, _ = served
+    response = post(url, "/v1/chat/completions", {"messages": ASK, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
+    assert not engine.has_unfinished_requests()
+
+
 # ------------------------------------------------------------------ tokenize and detokenize
 
 

@@ -87,7 +87,7 @@ CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class StructuredOutputsParams:
     """Exactly one constraint, as vLLM's StructuredOutputsParams names them: json (a JSON schema,
     as a dict or its text), json_object (any JSON object), regex, choice (the output is one of
-    these strings), grammar (EBNF, as xgrammar reads it: `root ::= ...`)."""
+    these strings), grammar (EBNF, as xgrammar reads it: `root ::= ...`, or an xgrammar.Grammar)."""
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -125,6 +125,8 @@ class StructuredOutputsParams:
                 raise SamplingParamsError(f"{name}.choice", "must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
             self._key = ("choice", tuple(self.choice))
+        elif kind == "grammar" and type(self.grammar).__module__.startswith("xgrammar"):
+            self._key = ("grammar", self.grammar)  # an xgrammar.Grammar built with its API (tool calls)
         else:
             value = getattr(self, kind)
             if not isinstance(value, str) or not value:

@@ -6,6 +6,7 @@ import sys
 
 from kvflow.engine.config import DTYPES
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BYTES
+from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS
 
 
 def positive_int(text: str) -> int:
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted, e.g. 8MiB (the default); larger ones get 413")
     serve.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                        help="prompts one completion request may carry (default: %(default)s)")
+    serve.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_FORMATS), default="hermes",
+                       help="the format the model writes tool calls in, where its chat template renders tools "
+                            "(a template without tools gets kvflow's Hermes prompt and format)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds requests in flight may take to finish at shutdown before they are aborted")
     serve.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

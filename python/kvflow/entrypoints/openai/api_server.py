@@ -238,15 +238,17 @@ async def _lifespan(app: FastAPI):
 
 def build_app(async_engine: AsyncLLMEngine, model_name: str, api_key: str | None = None,
               max_queue_len: int | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+              tool_call_parser: str = "hermes") -> FastAPI:
     """The FastAPI application serving `async_engine` under `model_name`. max_queue_len counts
-    samples (prompts x n)."""
+    samples (prompts x n); tool_call_parser: see tool_calls.TOOL_CALL_FORMATS."""
     metrics = EngineMetrics(async_engine.engine.stats, model_name)
     async_engine.on_finished = metrics.observe_finished
     app = FastAPI(title="kvflow", lifespan=_lifespan)
     app.state.engine = async_engine.engine
     app.state.async_engine = async_engine
-    app.state.serving = OpenAIServing(async_engine, model_name, max_queue_len, max_prompts_per_request)
+    app.state.serving = OpenAIServing(async_engine, model_name, max_queue_len, max_prompts_per_request,
+                                      tool_call_parser)
     app.state.metrics = metrics
     app.state.model_name = model_name
     app.state.draining = False
@@ -301,7 +303,7 @@ def serve(args) -> int:
     async_engine = AsyncLLMEngine.from_config(build_engine_config(args))
     model_name = args.served_model_name or args.model or DEFAULT_MODEL
     app = build_app(async_engine, model_name, api_key, args.max_queue_len, args.max_request_bytes,
-                    args.max_prompts_per_request)
+                    args.max_prompts_per_request, args.tool_call_parser)
     # uvicorn's own deadline comes after ours, by which time every stream has ended.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)

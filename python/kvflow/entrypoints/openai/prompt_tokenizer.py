@@ -39,14 +39,16 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, lambda: self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages`, on the tokenizer thread."""
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, for a template that renders
+        them), on the tokenizer thread."""
         for i, message in enumerate(messages):
             check_text(f"messages[{i}].content", message["content"])
         self.check_length("".join(m["content"] for m in messages), "messages")
+        extra = {"tools": tools} if tools else {}
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, lambda: self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt))
+            messages, add_generation_prompt=add_generation_prompt, **extra))
 
     def check_length(self, text: str, field: str) -> None:
         if len(text) > self.max_chars:

@@ -188,19 +188,74 @@ class TextContent(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContent] | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None                  # a tool's result: which call it answers
+    name: str | None = None
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, tool_format=None) -> dict:
+        """The message as a chat template reads it. tool_format (tool_calls.ToolCallFormat): the
+        template has no tools branch, so earlier calls are written into the content in that
+        format and tool results wrapped in <tool_response> tags (Hermes)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        calls = [c.model_dump() for c in self.tool_calls or []]
+        if tool_format is not None:
+            if calls:
+                message["content"] = "\n".join(filter(None, [message["content"], tool_format.render(calls)]))
+            if self.role == "tool":
+                message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+            return message
+        if calls:
+            message["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
@@ -211,6 +266,20 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self) -> tuple[list[dict], str | None]:
+        """(the tools as dicts, the tool_choice: "auto", "required", a function's name, or None
+        when tools are off). OpenAI's default is "auto" with tools and "none" without."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t["function"]["name"] for t in tools}:
+                raise SamplingParamsError("tool_choice", f"names the function {choice.function.name!r}, which is "
+                                                         "not among the tools")
+            return tools, choice.function.name
+        if choice != "none" and not tools:
+            raise SamplingParamsError("tool_choice", f"{choice!r} needs tools")
+        return tools, None if choice == "none" else choice
 
     def chat_sampling_params(self, max_tokens: int) -> SamplingParams:
         """sampling_params(), its errors naming the chat request's own fields."""
@@ -229,6 +298,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template has them)
     return_token_strs: StrictBool = False

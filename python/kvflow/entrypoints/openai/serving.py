@@ -13,11 +13,12 @@ import jinja2
 
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.outputs import CompletionOutput, RequestOutput
-from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvflow.entrypoints.openai.prompt_tokenizer import PromptTokenizer
-from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest, error_body)
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest, error_body)
+from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS, tools_system_prompt
 
 
 class QueueFullError(Exception):
@@ -32,6 +33,7 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
+    content_sent: int = 0  # with tools: the characters sent as content (the rest may be a call)
 
 
 def sse(payload: dict | str) -> str:
@@ -41,8 +43,10 @@ def sse(payload: dict | str) -> str:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_queue_len: int | None = None,
-                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST):
-        """max_queue_len: samples (prompts x n) waiting at most, beyond which requests get 503."""
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST, tool_call_parser: str = "hermes"):
+        """max_queue_len: samples (prompts x n) waiting at most, beyond which requests get 503.
+        tool_call_parser: the format of the model's tool calls where its chat template renders
+        tools; a template without a tools branch gets the Hermes prompt and format."""
         self.engine = engine
         self.model_name = model_name
         self.max_queue_len = max_queue_len
@@ -50,6 +54,8 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
+        self.template_renders_tools = "tools" in (self.tokenizer.chat_template or "")
+        self.tool_format = TOOL_CALL_FORMATS[tool_call_parser if self.template_renders_tools else "hermes"]
         self._admitting = 0  # samples of the requests being tokenized and added
 
     # ------------------------------------------------------------------ entry points
@@ -81,23 +87,37 @@ class OpenAIServing:
                 "choices": choices, "usage": self._usage(prompts, outputs)}
 
     async def chat(self, request: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        tools, tool_choice = request.tool_mode()
         with self._admission(1):  # n is known once the prompt's length is
-            ids = await self._chat_prompt(request)
+            ids = await self._chat_prompt(request, tools if tool_choice is not None else [])
         # Unset, the answer may fill the context, or the KV pool where that is smaller (so that
         # the request is not refused for a length the client never asked for).
         room = min(self.max_model_len - len(ids), self.engine.engine.num_kv_tokens - len(ids) + 1)
         max_tokens = next((m for m in (request.max_completion_tokens, request.max_tokens) if m is not None),
                           max(room, 1))
         params = request.chat_sampling_params(max_tokens)
+        if tool_choice is not None and tool_choice != "auto":
+            params.structured_outputs = self._forced_calls(tools, tool_choice, request, params)
+        tool_format = self.tool_format if tool_choice is not None else None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         with self._admission(params.n) as release:
             streams = await self._start(request_id, [ids], params, release)
         if request.streaming:
-            return self._stream_chat(request_id, request, [ids], streams)
+            return self._stream_chat(request_id, request, [ids], streams, tool_format)
         outputs = await self._collect(streams)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs),
-                    "finish_reason": c.finish_reason} for c in outputs[0].outputs]
+        choices = []
+        for c in outputs[0].outputs:
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            calls = []
+            if tool_format is not None:
+                content, calls = tool_format.parse(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content or None,
+                           "tool_calls": [call.as_openai() for call in calls]}
+                finish_reason = "tool_calls"
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs),
+                            "finish_reason": finish_reason})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([ids], outputs)}
 
@@ -108,11 +128,8 @@ class OpenAIServing:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             ids = await self.prompt_tokenizer.encode(request.prompt, add_special_tokens=add_special)
         else:
-            try:
-                text = await self.prompt_tokenizer.render_chat([m.as_template_message() for m in request.messages],
-                                                               request.add_generation_prompt)
-            except jinja2.TemplateError as error:
-                raise ValueError(f"the chat template rejected the messages: {error}") from error
+            text = await self._render_chat(request.messages, request.add_generation_prompt,
+                                           [t.model_dump(exclude_none=True) for t in request.tools or []])
             ids = await self.prompt_tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens),
                                                      field="messages")
         tokenizer = self.prompt_tokenizer.tokenizer
@@ -127,14 +144,41 @@ class OpenAIServing:
                 raise SamplingParamsError("tokens", f"tokens[{i}] = {token} is not a token id in [0, {vocab})")
         return {"prompt": await self.prompt_tokenizer.decode(list(request.tokens))}
 
-    async def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    def _forced_calls(self, tools: list[dict], tool_choice: str, request: ChatCompletionRequest,
+                      params: SamplingParams) -> StructuredOutputsParams:
+        """tool_choice "required" (one or more calls of any tool) or a function's name (one call of
+        it) as the grammar the output must follow, in the model's tool-call format."""
+        if params.structured_outputs is not None:
+            raise SamplingParamsError("tool_choice", "a forced tool call cannot be combined with response_format "
+                                                     "or structured_outputs")
+        if tool_choice == "required":
+            grammar = self.tool_format.forced_grammar(tools, parallel=request.parallel_tool_calls is not False)
+        else:
+            grammar = self.tool_format.forced_grammar([t for t in tools if t["function"]["name"] == tool_choice],
+                                                      parallel=False)
+        return StructuredOutputsParams(grammar=grammar)
+
+    async def _chat_prompt(self, request: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """The conversation's prompt as token ids, rendered and tokenized on the tokenizer thread."""
+        text = await self._render_chat(request.messages, request.add_generation_prompt, tools)
+        return await self.prompt_tokenizer.encode(text, add_special_tokens=False, field="messages")
+
+    async def _render_chat(self, chat: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        """The chat template applied to the messages (and tools). With a template that does not
+        render tools, the Hermes tool prompt joins the system message, and earlier calls and
+        results are written in the Hermes format."""
+        history_format = None if self.template_renders_tools else self.tool_format
+        messages = [m.as_template_message(history_format) for m in chat]
+        if tools and not self.template_renders_tools:
+            if messages[0]["role"] == "system":
+                messages[0]["content"] = messages[0]["content"] + "\n\n" + tools_system_prompt(tools)
+            else:
+                messages.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
         try:
-            text = await self.prompt_tokenizer.render_chat([m.as_template_message() for m in request.messages],
-                                                           request.add_generation_prompt)
+            return await self.prompt_tokenizer.render_chat(messages, add_generation_prompt,
+                                                           tools if self.template_renders_tools else None)
         except jinja2.TemplateError as error:  # the template's own checks, e.g. "roles must alternate"
             raise ValueError(f"the chat template rejected the messages: {error}") from error
-        return await self.prompt_tokenizer.encode(text, add_special_tokens=False, field="messages")
 
     # ------------------------------------------------------------------ engine requests
 
@@ -275,7 +319,7 @@ class OpenAIServing:
             yield sse("[DONE]")
 
     async def _stream_chat(self, request_id: str, request: ChatCompletionRequest, prompts: list[list[int]],
-                           streams: list) -> AsyncIterator[str]:
+                           streams: list, tool_format=None) -> AsyncIterator[str]:
         created = int(time.time())
         sent = {i: _Choice() for i in range(request.num_samples)}
         num_top = request.requested_logprobs()
@@ -296,6 +340,11 @@ class OpenAIServing:
                     if delta is None:
                         continue
                     text, token_ids, logprobs = delta
+                    if tool_format is not None:
+                        for choice in self._tool_deltas(state, completion.text, tool_format, token_ids, logprobs,
+                                                        num_top, completion.index):
+                            yield chunk([choice])
+                        continue
                     yield chunk([{"index": completion.index, "delta": {"content": text} if text else {},
                                   "logprobs": self._chat_logprobs(token_ids, logprobs, num_top),
                                   "finish_reason": state.finish_reason}])
@@ -305,6 +354,32 @@ class OpenAIServing:
         except Exception as error:
             yield sse(error_body(str(error), "internal_error", code=500))
             yield sse("[DONE]")
+
+    def _tool_deltas(self, state: "_Choice", text: str, tool_format, token_ids, logprobs, num_top: int, index: int):
+        """A chat choice's chunks when tools are on: content as far as it cannot be the start of a
+        call (the markup is never sent as content); at the end, each parsed call as OpenAI's
+        tool_calls deltas (its id, type and name, then its arguments), finish_reason tool_calls."""
+        finished = state.finish_reason is not None
+        calls = []
+        if finished:
+            content, calls = tool_format.parse(text)
+            if not calls:
+                content = text
+        else:
+            content = text[:tool_format.content_end(text)]
+        if len(content) > state.content_sent:
+            yield {"index": index, "delta": {"content": content[state.content_sent:]},
+                   "logprobs": self._chat_logprobs(token_ids, logprobs, num_top), "finish_reason": None}
+            state.content_sent = max(state.content_sent, len(content))
+        for i, call in enumerate(calls):
+            yield {"index": index, "delta": {"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                              "function": {"name": call.name, "arguments": ""}}]},
+                   "logprobs": None, "finish_reason": None}
+            yield {"index": index, "delta": {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
+                   "logprobs": None, "finish_reason": None}
+        if finished:
+            yield {"index": index, "delta": {}, "logprobs": None,
+                   "finish_reason": "tool_calls" if calls else state.finish_reason}
 
     @staticmethod
     def _delta(state: _Choice, completion: CompletionOutput):
