@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from conftest import running_server
@@ -200,6 +201,40 @@ def test_response_format_json_schema_streamed_and_not(served, client):
                                             temperature=0, max_tokens=80, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content
+
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
+        "status": {"enum": ["pending", "shipped", "delivered"]},
+        "customer": {"type": "object",
+                     "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 30},
+                                    "vip": {"type": "boolean"}},
+                     "required": ["name", "vip"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3,
+                  "items": {"type": "object",
+                            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+                                           "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
+                                           "price": {"type": "number", "minimum": 0, "maximum": 1000}},
+                            "required": ["sku", "quantity", "price"], "additionalProperties": False}},
+    },
+    "required": ["order_id", "status", "customer", "items"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("content", ["Make up an order as JSON.", "An order for two keyboards, as JSON.",
+                                     "Write a shipped order for a VIP customer named Ada."])
+def test_json_schema_answers_validate_and_stop(served, client, content):
+    """Nested objects, an array, enums, bounded numbers, required fields, patterns: each answer
+    validates with jsonschema and ends with stop, not at max_tokens."""
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=300,
+        response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER, "strict": True}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), ORDER)
 
 
 def test_response_format_json_object(served, client):

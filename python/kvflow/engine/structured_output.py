@@ -13,6 +13,9 @@ import torch
 from kvflow.engine.sampling_params import SamplingParamsError, StructuredOutputsParams
 from kvflow.tokenizer import Tokenizer
 
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object: any object, nested values too
+
+
 def _ebnf_string(text: str) -> str:
     """text as an EBNF string literal: quotes and backslashes escaped, control characters as \\uXXXX."""
     escaped = []
@@ -80,10 +83,12 @@ class StructuredOutputCompiler:
         where xgrammar refuses it (an unsupported schema keyword, a bad regex or grammar)."""
         kind, value = params.kind, params._key[1] if len(params._key) > 1 else None
         try:
+            # JSON laid out as json.dumps lays it out: with any whitespace allowed, a small model
+            # can spend its whole max_tokens on blanks between two tokens.
             if kind == "json":
-                return self._compiler.compile_json_schema(value)
+                return self._compiler.compile_json_schema(value, any_whitespace=False)
             if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+                return self._compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(value)
             if kind == "choice":
