@@ -319,9 +319,18 @@ def test_forced_tool_calls_follow_the_tools_schemas_streamed_and_not(served, cli
             entry["id"] = delta.id or entry["id"]
             entry["name"] = (delta.function.name if delta.function and delta.function.name else entry["name"])
             entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
-    assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
-    assert all(e["id"] and e["id"].startswith("call_") for e in streamed.values())
+    # (not compared with the answer above: the prompt's blocks now come from the prefix cache, and
+    # a near-tie between another call and the end may go the other way)
+    assembled = [openai.types.chat.ChatCompletionMessageToolCall(
+        id=e["id"], type="function", function={"name": e["name"], "arguments": e["arguments"]})
+        for e in streamed.values()]
+    check_calls(assembled, names)
+    assert list(streamed) == list(range(len(streamed)))
+    if not isinstance(tool_choice, str):
+        assert len(streamed) == 1
+    fragments = [d.function.arguments for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []
+                 if d.function and d.function.arguments]
+    assert len(fragments) > len(streamed)  # the arguments came as they were written, not in one piece
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 

@@ -92,3 +92,21 @@ def test_the_forced_grammar_takes_calls_of_the_tools_and_nothing_else(compiler, 
     unknown = fmt.render([{"function": {"name": "delete_all", "arguments": {}}}])
     assert not accepts(compiler, parallel, wrong_args) and not accepts(compiler, parallel, unknown)
     assert not accepts(compiler, parallel, "I will not call anything.")
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_FORMATS))
+def test_partial_calls_grow_by_prefixes_to_the_whole_calls(name):
+    """Cut after every character: each call's name appears whole or not at all, its arguments
+    only grow (each cut's text a prefix of the next), and at the end they are the calls' JSON."""
+    fmt = TOOL_CALL_FORMATS[name]
+    text = ("Let me check. " if fmt.marker_anywhere else "") + fmt.render(CALLS)
+    sent = {}
+    for cut in range(len(text) + 1):
+        for i, call in enumerate(fmt.partial_calls(text[:cut])):
+            assert call.name in (None, "get_weather", "add")
+            assert call.arguments.startswith(sent.get(i, ""))
+            sent[i] = call.arguments
+    final = fmt.partial_calls(text)
+    assert [c.complete for c in final] == [True, True]
+    assert [json.loads(c.arguments) for c in final] == [{"city": "Paris", "unit": "C"}, {"a": 1, "b": 2}]
+    assert fmt.partial_calls("No calls here.") == []

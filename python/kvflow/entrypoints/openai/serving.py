@@ -18,7 +18,7 @@ from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvflow.entrypoints.openai.prompt_tokenizer import PromptTokenizer
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest, error_body)
-from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS, tools_system_prompt
+from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS, ToolCall, tools_system_prompt
 
 
 class QueueFullError(Exception):
@@ -34,6 +34,7 @@ class _Choice:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     content_sent: int = 0  # with tools: the characters sent as content (the rest may be a call)
+    calls_sent: list = field(default_factory=list)  # with tools: [id, argument characters sent] per call
 
 
 def sse(payload: dict | str) -> str:
@@ -357,29 +358,38 @@ class OpenAIServing:
 
     def _tool_deltas(self, state: "_Choice", text: str, tool_format, token_ids, logprobs, num_top: int, index: int):
         """A chat choice's chunks when tools are on: content as far as it cannot be the start of a
-        call (the markup is never sent as content); at the end, each parsed call as OpenAI's
-        tool_calls deltas (its id, type and name, then its arguments), finish_reason tool_calls."""
+        call (the markup is never sent as content); each call as OpenAI's tool_calls deltas once
+        its name is written (its index, id, type and name), then its arguments' JSON text as it
+        grows; at the end finish_reason tool_calls, or, where the output held no call, the rest
+        of it as content."""
         finished = state.finish_reason is not None
-        calls = []
+        content = text[:tool_format.content_end(text)]
         if finished:
-            content, calls = tool_format.parse(text)
-            if not calls:
+            parsed_content, calls = tool_format.parse(text)
+            if calls:
+                content = parsed_content
+            elif not state.calls_sent:
                 content = text
-        else:
-            content = text[:tool_format.content_end(text)]
         if len(content) > state.content_sent:
             yield {"index": index, "delta": {"content": content[state.content_sent:]},
                    "logprobs": self._chat_logprobs(token_ids, logprobs, num_top), "finish_reason": None}
-            state.content_sent = max(state.content_sent, len(content))
-        for i, call in enumerate(calls):
-            yield {"index": index, "delta": {"tool_calls": [{"index": i, "id": call.id, "type": "function",
-                                                              "function": {"name": call.name, "arguments": ""}}]},
-                   "logprobs": None, "finish_reason": None}
-            yield {"index": index, "delta": {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]},
-                   "logprobs": None, "finish_reason": None}
+            state.content_sent = len(content)
+        for i, call in enumerate(tool_format.partial_calls(text)):
+            if call.name is None:
+                break
+            if i == len(state.calls_sent):
+                state.calls_sent.append([ToolCall(call.name, "").id, 0])
+                yield {"index": index, "delta": {"tool_calls": [{
+                    "index": i, "id": state.calls_sent[i][0], "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}]}, "logprobs": None, "finish_reason": None}
+            sent = state.calls_sent[i][1]
+            if len(call.arguments) > sent:
+                yield {"index": index, "delta": {"tool_calls": [{"index": i, "function": {
+                    "arguments": call.arguments[sent:]}}]}, "logprobs": None, "finish_reason": None}
+                state.calls_sent[i][1] = len(call.arguments)
         if finished:
             yield {"index": index, "delta": {}, "logprobs": None,
-                   "finish_reason": "tool_calls" if calls else state.finish_reason}
+                   "finish_reason": "tool_calls" if state.calls_sent else state.finish_reason}
 
     @staticmethod
     def _delta(state: _Choice, completion: CompletionOutput):

@@ -38,6 +38,81 @@ def _call_schema(tool: dict, arguments_key: str) -> dict:
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
+@dataclass
+class PartialCall:
+    """A call as far as a streamed output has written it."""
+    name: str | None  # once its name string is complete
+    arguments: str    # the JSON text of its arguments so far, as the model wrote it
+    complete: bool    # the arguments have closed
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The end of the JSON value starting at text[i], or None where the text ends inside it."""
+    if i >= len(text):
+        return None
+    if text[i] in "{[\"":
+        depth, in_string, j = 0, False, i
+        while j < len(text):
+            char = text[j]
+            if in_string:
+                if char == "\\":
+                    j += 2
+                    continue
+                if char == '"':
+                    in_string = False
+                    if depth == 0:
+                        return j + 1
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in ",}] \n\t\r":
+        j += 1
+    return j if j < len(text) else None
+
+
+def _skip_blanks(text: str, i: int, also: str = "") -> int:
+    while i < len(text) and (text[i].isspace() or text[i] in also):
+        i += 1
+    return i
+
+
+def _scan_call(text: str, start: int, arguments_key: str) -> tuple[PartialCall, int | None]:
+    """The call object starting at text[start] ("{") as far as it is written, and where it
+    ends (None while it has not)."""
+    call, i = PartialCall(None, "", False), start + 1
+    while True:
+        i = _skip_blanks(text, i, ",")
+        if i >= len(text):
+            return call, None
+        if text[i] == "}":
+            return call, i + 1
+        key_end = _value_end(text, i)
+        if text[i] != '"' or key_end is None:
+            return call, None
+        key = json.loads(text[i:key_end])
+        i = _skip_blanks(text, key_end)
+        if i >= len(text) or text[i] != ":":
+            return call, None
+        i = _skip_blanks(text, i + 1)
+        end = _value_end(text, i)
+        if key == arguments_key:
+            call.arguments, call.complete = (text[i:], False) if end is None else (text[i:end], True)
+        elif key == "name" and end is not None:
+            name = json.loads(text[i:end])
+            call.name = name if isinstance(name, str) else None
+        if end is None:
+            return call, None
+        i = end
+
+
 class ToolCallFormat:
     """How one family of models writes tool calls."""
     name = ""
@@ -59,6 +134,28 @@ class ToolCallFormat:
         """An xgrammar Grammar whose sentences are calls of `tools` in this format (one, or with
         parallel up to MAX_PARALLEL_CALLS), each call's arguments following its tool's schema."""
         raise NotImplementedError
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls a streamed output has begun, in order, each as far as it is written."""
+        if self.marker_anywhere:
+            at = text.find(self.marker)
+            if at < 0:
+                return []
+            i = at + len(self.marker)
+        else:
+            i = _skip_blanks(text, 0)
+            if text.startswith(self.marker, i):
+                i += len(self.marker)
+        calls = []
+        while True:
+            i = text.find("{", i)
+            if i < 0:
+                return calls
+            call, end = _scan_call(text, i, self.arguments_key)
+            calls.append(call)
+            if end is None:
+                return calls
+            i = end
 
     def content_end(self, text: str) -> int:
         """How much of a streamed text is certainly content: up to the marker, and short of a
