@@ -251,7 +251,30 @@ def test_structured_outputs_extra_body_choice_and_regex(served, client):
     assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
     out = client.completions.create(model=MODEL, prompt="The year was", max_tokens=10, temperature=0,
                                     extra_body={"structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
-    assert re.fullmatch("(19|20)[0-9]{2}", out.choices[0].text)
+    assert re.fullmatch("(19|20)[0-9]{2}", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+
+
+def test_unconstrained_requests_beside_constrained_ones_keep_their_tokens(served):
+    """Four plain completions sent at once with four held to a schema (sharing steps, float32):
+    the plain ones give what the offline engine gave, token for token, and the others validate."""
+    url, engine, offline = served
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+    async def run():
+        plain = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True}) for p in PROMPTS]
+        held = [client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Order {i} as JSON."}], temperature=0, max_tokens=300,
+            response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}})
+            for i in range(4)]
+        return await asyncio.gather(*plain, *held)
+
+    results = asyncio.run(run())
+    for prompt, result in zip(PROMPTS, results[:4]):
+        assert result.choices[0].text == offline[prompt].text
+    for result in results[4:]:
+        jsonschema.validate(json.loads(result.choices[0].message.content), ORDER)
+    wait_idle(engine)
 
 
 @pytest.mark.parametrize("body,param", [
