@@ -127,12 +127,13 @@ class ModelRunner:
         params = [r.sampling for r in requests]
         raw_logits = logits
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if constrained or any(p.has_penalties for p in params):
+        penalized = any(p.has_penalties for p in params)
+        if constrained or penalized:
             if any(p.logprobs is not None for p in params):
                 raw_logits = logits.clone()
             if constrained:
                 self._apply_grammar_masks(logits, requests, constrained)
-            if any(p.has_penalties for p in params):
+            if penalized:
                 self._apply_penalties(logits, requests)
             token_ids = None
         if token_ids is None:

@@ -76,7 +76,6 @@ class StructuredOutputCompiler:
             info = xgrammar.TokenizerInfo(pieces, vocab_type=xgrammar.VocabType.BYTE_FALLBACK, vocab_size=vocab_size,
                                           stop_token_ids=stop, add_prefix_space=True)
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        self._bitmask_words = (vocab_size + 31) // 32
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of a request's constraint; SamplingParamsError naming the field
@@ -100,7 +99,3 @@ class StructuredOutputCompiler:
 
     def matcher(self, compiled) -> GrammarMatcher:
         return GrammarMatcher(self._xgrammar.GrammarMatcher(compiled))
-
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        """An int32 bitmask [rows, words] for the model's vocabulary, on the host."""
-        return torch.full((rows, self._bitmask_words), -1, dtype=torch.int32)

@@ -18,7 +18,7 @@ from kvflow.entrypoints.openai.limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvflow.entrypoints.openai.prompt_tokenizer import PromptTokenizer
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest, error_body)
-from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS, ToolCall, tools_system_prompt
+from kvflow.entrypoints.openai.tool_calls import TOOL_CALL_FORMATS, new_call_id, tools_system_prompt
 
 
 class QueueFullError(Exception):
@@ -378,7 +378,7 @@ class OpenAIServing:
             if call.name is None:
                 break
             if i == len(state.calls_sent):
-                state.calls_sent.append([ToolCall(call.name, "").id, 0])
+                state.calls_sent.append([new_call_id(), 0])
                 yield {"index": index, "delta": {"tool_calls": [{
                     "index": i, "id": state.calls_sent[i][0], "type": "function",
                     "function": {"name": call.name, "arguments": ""}}]}, "logprobs": None, "finish_reason": None}

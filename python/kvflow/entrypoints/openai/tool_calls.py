@@ -9,11 +9,15 @@ import uuid
 from dataclasses import dataclass, field
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text of an object
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def as_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -172,13 +176,26 @@ class ToolCallFormat:
                 return len(text) - keep
         return len(text)
 
-    def _schema_grammar(self, schema: dict):
+    def _any_call_grammar(self, tools: list[dict], schema_of=lambda calls: calls):
+        """The grammar of one call of any of `tools` as this format's JSON (schema_of wraps the
+        calls' anyOf schema, for a format that writes calls in an array)."""
         import xgrammar
 
-        return xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        calls = {"anyOf": [_call_schema(t, self.arguments_key) for t in tools]}
+        return xgrammar.Grammar.from_json_schema(json.dumps(schema_of(calls)), any_whitespace=False)
 
 
 MAX_PARALLEL_CALLS = 4
+
+
+def _one_or_more(one, separator: str, parallel: bool):
+    """The grammar `one`, or with parallel 1 to MAX_PARALLEL_CALLS of it joined by separator."""
+    import xgrammar
+
+    choices = [one]
+    for _ in range(1, MAX_PARALLEL_CALLS if parallel else 1):
+        choices.append(xgrammar.Grammar.concat(choices[-1], xgrammar.Grammar.from_ebnf(f'root ::= "{separator}"'), one))
+    return choices[0] if len(choices) == 1 else xgrammar.Grammar.union(*choices)
 
 
 class HermesFormat(ToolCallFormat):
@@ -214,15 +231,10 @@ class HermesFormat(ToolCallFormat):
     def forced_grammar(self, tools, parallel):
         import xgrammar
 
-        one = xgrammar.Grammar.concat(
-            xgrammar.Grammar.from_ebnf(f'root ::= "{self.marker}\\n"'),
-            self._schema_grammar({"anyOf": [_call_schema(t, self.arguments_key) for t in tools]}),
-            xgrammar.Grammar.from_ebnf(f'root ::= "\\n{self.end_marker}"'))
-        choices, many = [one], one
-        for _ in range(1, MAX_PARALLEL_CALLS if parallel else 1):
-            many = xgrammar.Grammar.concat(many, xgrammar.Grammar.from_ebnf('root ::= "\\n"'), one)
-            choices.append(many)
-        return choices[0] if len(choices) == 1 else xgrammar.Grammar.union(*choices)
+        one = xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(f'root ::= "{self.marker}\\n"'),
+                                      self._any_call_grammar(tools),
+                                      xgrammar.Grammar.from_ebnf(f'root ::= "\\n{self.end_marker}"'))
+        return _one_or_more(one, "\\n", parallel)
 
 
 class Llama3JsonFormat(ToolCallFormat):
@@ -259,14 +271,7 @@ class Llama3JsonFormat(ToolCallFormat):
                          for c in calls)
 
     def forced_grammar(self, tools, parallel):
-        import xgrammar
-
-        one = self._schema_grammar({"anyOf": [_call_schema(t, self.arguments_key) for t in tools]})
-        choices, many = [one], one
-        for _ in range(1, MAX_PARALLEL_CALLS if parallel else 1):
-            many = xgrammar.Grammar.concat(many, xgrammar.Grammar.from_ebnf('root ::= "; "'), one)
-            choices.append(many)
-        return choices[0] if len(choices) == 1 else xgrammar.Grammar.union(*choices)
+        return _one_or_more(self._any_call_grammar(tools), "; ", parallel)
 
 
 class MistralFormat(ToolCallFormat):
@@ -295,10 +300,11 @@ class MistralFormat(ToolCallFormat):
     def forced_grammar(self, tools, parallel):
         import xgrammar
 
-        array = {"type": "array", "items": {"anyOf": [_call_schema(t, self.arguments_key) for t in tools]},
-                 "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+        def array(calls):
+            return {"type": "array", "items": calls, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+
         return xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(f'root ::= "{self.marker}"'),
-                                       self._schema_grammar(array))
+                                       self._any_call_grammar(tools, array))
 
 
 TOOL_CALL_FORMATS = {f.name: f for f in (HermesFormat(), Llama3JsonFormat(), MistralFormat())}
