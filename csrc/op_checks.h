@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kvflow/cpu/gguf_blocks.h"
@@ -420,6 +421,40 @@ inline SamplingGeometry check_sampling_args(const at::Tensor& logits, const at::
   check_row_param(top_k, "top_k", at::kInt, logits);
   check_row_param(top_p, "top_p", at::kFloat, logits);
   check_row_param(min_p, "min_p", at::kFloat, logits);
+  return g;
+}
+
+// rejection_sample: logits [rows, vocab] (float32, float16 or bfloat16), draft_token_ids int64
+// [rows], cu_rows int64 [requests + 1], out int64 [rows], num_emitted int64 [requests], the
+// sampling parameters one per request (float32 temperature, top_p, min_p; int32 top_k; int64
+// seeds, offsets). Values (cu_rows, draft ids) are checked by the CPU op only.
+inline SamplingGeometry check_rejection_sample_args(const at::Tensor& out, const at::Tensor& num_emitted,
+                                                    const at::Tensor& logits, const at::Tensor& draft_token_ids,
+                                                    const at::Tensor& cu_rows, const at::Tensor& temperature,
+                                                    const at::Tensor& top_k, const at::Tensor& top_p,
+                                                    const at::Tensor& min_p, const at::Tensor& seeds,
+                                                    const at::Tensor& offsets) {
+  SamplingGeometry g{};
+  g.dtype = kernel_dtype(logits, "logits");
+  check_logits_rows(logits);
+  g.vocab = logits.size(1);
+  check_row_param(draft_token_ids, "draft_token_ids", at::kLong, logits);
+  check_row_param(out, "out", at::kLong, logits);
+  check_index_tensor(cu_rows, "cu_rows", at::kLong, logits);
+  TORCH_CHECK(cu_rows.dim() == 1 && cu_rows.size(0) >= 1, "cu_rows must be [requests + 1], got shape ",
+              cu_rows.sizes());
+  g.batch = cu_rows.size(0) - 1;
+  TORCH_CHECK(g.batch <= logits.size(0), "rejection_sample: ", g.batch, " requests for ", logits.size(0),
+              " rows of logits; every request needs at least one row");
+  for (const auto& [t, name, dtype] : {std::tuple{&temperature, "temperature", at::kFloat},
+                                       std::tuple{&top_k, "top_k", at::kInt}, std::tuple{&top_p, "top_p", at::kFloat},
+                                       std::tuple{&min_p, "min_p", at::kFloat}, std::tuple{&seeds, "seeds", at::kLong},
+                                       std::tuple{&offsets, "offsets", at::kLong},
+                                       std::tuple{&num_emitted, "num_emitted", at::kLong}}) {
+    check_index_tensor(*t, name, dtype, logits);
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == g.batch, name, " must be [", g.batch,
+                "] (one value per request), got shape ", t->sizes());
+  }
   return g;
 }
 

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "block_allocator.h"
+#include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "cpu/executor.h"
 #include "ops.h"
@@ -56,6 +57,10 @@ TORCH_LIBRARY(kvflow, m) {
       "Tensor seeds, Tensor offsets) -> ()");
   // A family's last step on float32 logits, in place: logits / divisor, then
   // soft_cap * tanh(logits / soft_cap) when soft_cap > 0.
+  // Speculative decoding: each request's drafts accepted while the target's own draws equal them.
+  m.def(
+      "rejection_sample(Tensor! out, Tensor! num_emitted, Tensor logits, Tensor draft_token_ids, Tensor cu_rows, "
+      "Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, Tensor offsets) -> ()");
   m.def("scale_logits(Tensor! logits, float divisor=1.0, float soft_cap=0.0) -> ()");
   // The distribution sample() draws from, as logits: divided by T, filtered tokens set to -inf.
   m.def("apply_sampling_filters(Tensor! logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p) -> ()");
@@ -98,6 +103,7 @@ TORCH_LIBRARY_IMPL(kvflow, CPU, m) {
   m.impl("copy_blocks", &kvflow::cpu::copy_blocks);
   m.impl("paged_attention", &kvflow::cpu::paged_attention);
   m.impl("sample", &kvflow::cpu::sample);
+  m.impl("rejection_sample", &kvflow::cpu::rejection_sample);
   m.impl("scale_logits", &kvflow::cpu::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cpu::apply_sampling_filters);
   m.impl("apply_token_bitmask", &kvflow::cpu::apply_token_bitmask);
@@ -125,6 +131,7 @@ TORCH_LIBRARY_IMPL(kvflow, CUDA, m) {
   m.impl("copy_blocks", &kvflow::cuda::copy_blocks);
   m.impl("paged_attention", &kvflow::cuda::paged_attention);
   m.impl("sample", &kvflow::cuda::sample);
+  m.impl("rejection_sample", &kvflow::cuda::rejection_sample);
   m.impl("scale_logits", &kvflow::cuda::scale_logits);
   m.impl("apply_sampling_filters", &kvflow::cuda::apply_sampling_filters);
   m.impl("apply_token_bitmask", &kvflow::cuda::apply_token_bitmask);
@@ -190,6 +197,10 @@ first, so a bad step raises before anything is written.)doc")
       "The instruction set the CPU kernels use now.");
   m.def("set_cpu_isa", &kvflow::cpu::set_isa, py::arg("name"),
         "Switch the CPU kernels to 'scalar', 'avx2', 'avx512' or 'avx512_bf16' (must be supported here).");
+  m.def("batch_invariant", &kvflow::cpu::batch_invariant,
+        "Whether the CPU kernels compute each row in one order whatever the batch (batch_invariance.h).");
+  m.def("set_batch_invariant", &kvflow::cpu::set_batch_invariant, py::arg("on"),
+        "Turns batch-invariant mode on or off for every CPU kernel of this process.");
 
   // The KV block pool the scheduler drives every step; see block_allocator.h for the semantics.
   using kvflow::BlockAllocator;

@@ -517,7 +517,7 @@ def greedy_steps(runner: ModelRunner, ids: list[int]):
     for step in range(STEPS):
         request = ScheduledRequest(new_tokens, computed, list(range(64)), params, prompt_token_ids=ids,
                                    output_token_ids=output)
-        sampled = runner.execute([request])[0]
+        sampled = runner.execute([request])[0][0]
         yield step, sampled
         output.append(sampled.token_id)
         computed += len(new_tokens)

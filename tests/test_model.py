@@ -203,7 +203,7 @@ def kvflow_greedy(lm, ids: list[int], max_tokens: int = NEW_TOKENS) -> list[int]
     while len(output) < max_tokens:
         step = ScheduledRequest(new_tokens, computed, block_table, params, prompt_token_ids=ids,
                                 output_token_ids=output)
-        output.append(runner.execute([step])[0].token_id)
+        output.append(runner.execute([step])[0][0].token_id)
         computed += len(new_tokens)
         new_tokens = output[-1:]
     return output

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
 #include "op_node.h"
@@ -76,7 +77,10 @@ void plan_work(PagedAttentionPlan& plan, const AttentionGeometry& g, const int32
   // divide evenly among the threads; each thread then reads its own contiguous part of every
   // cache block. Measured at batch 1 (9 query / 3 kv heads, 128-256 keys, cache from memory):
   // 13-17 us a layer, against 15-21 with one kv head per item and no split.
-  const int64_t split_factor = tiles >= wanted_items ? 1 : threads / std::gcd(std::max<int64_t>(tiles, 1), threads);
+  // Batch-invariant mode never splits: a split's merge rounds differently from one pass.
+  const int64_t split_factor = tiles >= wanted_items || batch_invariant()
+                                   ? 1
+                                   : threads / std::gcd(std::max<int64_t>(tiles, 1), threads);
 
   plan.num_splits.assign(g.batch, 1);
   for (int64_t b = 0; b < g.batch; ++b) {

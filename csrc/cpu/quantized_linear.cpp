@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "kvflow/cpu/product_cells.h"
@@ -64,8 +65,9 @@ QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tens
               " rows, got ", g.out_features);
   // An interleaved weight's int8 kernel beats the dequantized panels at every row count (about
   // 2x from 32 to 512 rows: docs/benchmarks.md), so it takes them all.
-  const bool panels =
-      !interleaved && g.rows >= kPanelRows && input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
+  // Batch-invariant mode keeps every row count on the int8 kernel, whose sums are exact.
+  const bool panels = !interleaved && !batch_invariant() && g.rows >= kPanelRows &&
+                      input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
   return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
           out.scalar_type() == at::kFloat, panels, interleaved};
 }

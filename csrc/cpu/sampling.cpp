@@ -177,6 +177,51 @@ void sample(at::Tensor& out, const at::Tensor& logits, const at::Tensor& tempera
   });
 }
 
+void rejection_sample(at::Tensor& out, at::Tensor& num_emitted, const at::Tensor& logits,
+                      const at::Tensor& draft_token_ids, const at::Tensor& cu_rows, const at::Tensor& temperature,
+                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                      const at::Tensor& seeds, const at::Tensor& offsets) {
+  check_device_type(logits, "logits", c10::DeviceType::CPU);
+  const SamplingGeometry g = check_rejection_sample_args(out, num_emitted, logits, draft_token_ids, cu_rows,
+                                                         temperature, top_k, top_p, min_p, seeds, offsets);
+  const int64_t rows = logits.size(0);
+  const int64_t* cu = cu_rows.data_ptr<int64_t>();
+  const int64_t* drafts = draft_token_ids.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[g.batch] == rows, "cu_rows must run from 0 to ", rows, " (the rows of logits)");
+  std::vector<RowParams> params(g.batch);
+  for (int64_t b = 0; b < g.batch; ++b) {
+    TORCH_CHECK(cu[b + 1] > cu[b], "cu_rows must be increasing: request ", b, " has no row");
+    for (int64_t r = cu[b]; r < cu[b + 1] - 1; ++r) {
+      TORCH_CHECK(drafts[r] >= 0 && drafts[r] < g.vocab, "draft_token_ids[", r, "] = ", drafts[r],
+                  " is not a token id in [0, ", g.vocab, ")");
+    }
+    params[b] = row_params(temperature, top_k, top_p, min_p, b);
+    check_params(params[b], b);
+  }
+  const KernelTable& kt = active_kernels();
+  const char* base = static_cast<const char*>(logits.data_ptr());
+  const int64_t row_bytes = logits.stride(0) * logits.element_size();
+  std::vector<float> row_max(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row_max[r] = checked_max(kt, g.dtype, base + r * row_bytes, g.vocab, r);
+  });
+  int64_t* tokens = out.data_ptr<int64_t>();
+  int64_t* emitted = num_emitted.data_ptr<int64_t>();
+  at::parallel_for(0, g.batch, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t b = begin; b < end; ++b) {
+      int64_t r = cu[b];
+      for (; r < cu[b + 1]; ++r) {
+        tokens[r] = sample_row(kt, g.dtype, base + r * row_bytes, g.vocab, params[b], row_max[r],
+                               seeds.data_ptr<int64_t>()[b], offsets.data_ptr<int64_t>()[b] + (r - cu[b]), scratch);
+        if (r == cu[b + 1] - 1 || tokens[r] != drafts[r]) break;
+      }
+      emitted[b] = r - cu[b] + 1;
+      std::fill(tokens + r + 1, tokens + cu[b + 1], int64_t(-1));
+    }
+  });
+}
+
 void apply_sampling_filters(at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                             const at::Tensor& top_p, const at::Tensor& min_p) {
   check_device_type(logits, "logits", c10::DeviceType::CPU);

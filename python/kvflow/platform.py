@@ -159,6 +159,22 @@ def force_isa(name: str) -> CpuPlatform:
     return _current
 
 
+def set_batch_invariant(on: bool) -> None:
+    """Batch-invariant mode for every CPU kernel of this process (csrc/include/kvflow/cpu/
+    batch_invariance.h): one row's results bit-equal whatever the rows beside it, at a cost in
+    speed (docs/benchmarks.md). Process-wide, as vLLM's VLLM_BATCH_INVARIANT: it cannot change
+    while an engine that started with the other setting exists."""
+    on = bool(on)
+    if on != _C.batch_invariant() and _live_engines():
+        raise ValueError(f"cannot turn batch-invariant mode {'on' if on else 'off'}: an engine in this process runs "
+                         f"with it {'on' if not on else 'off'}, and the mode is process-wide")
+    _C.set_batch_invariant(on)
+
+
+def batch_invariant() -> bool:
+    return _C.batch_invariant()
+
+
 def hold(engine) -> CpuPlatform:
     """Registers a new engine, which fixes the instruction set for as long as it lives."""
     platform = current()

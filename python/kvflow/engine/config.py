@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow import platform
+from kvflow.engine.speculative_config import SpeculativeConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU default when kv_cache_memory is not given
@@ -31,8 +32,12 @@ class EngineConfig:
                                           # only as many as fit in the memory available)
     dequantize_weights: bool = False      # a GGUF file's quantized weights in dtype instead of their
                                           # blocks (types kvflow has no kernels for are dequantized always)
+    speculative_config: SpeculativeConfig | dict | str | None = None  # vLLM's spelling; see speculative_config.py
+    batch_invariant: bool = False         # CPU: each row's logits bit-equal at any batch size, slower
+                                          # (process-wide: kvflow.platform.set_batch_invariant)
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype is None:
             self.dtype = "bfloat16" if self.on_cuda else platform.current().default_cpu_dtype
         if self.dtype not in DTYPES:

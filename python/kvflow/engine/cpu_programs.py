@@ -254,9 +254,11 @@ class CpuDecodePrograms:
 
     def run(self, requests: list) -> "DecodeStepResult | None":
         """A decode step of the runner's ScheduledRequests, or None where it is not one that a
-        program runs (a request with more than one new token or none due, or a class that cannot
-        be captured) and nothing was run. ValueError for a request the step cannot hold."""
-        n = len(requests)
+        program runs (a request with new tokens other than its last and its drafts, or none due,
+        or a class that cannot be captured) and nothing was run. A request with drafts takes one
+        row per new token, each a decode row of its own (see _StaticInputs.fill). ValueError for a
+        request the step cannot hold."""
+        n = sum(1 + len(r.draft_token_ids) for r in requests)
         rows = program_batch_size(n)
         if n == 0 or self.programs.get(rows, True) is None:
             return None
@@ -312,7 +314,10 @@ class _StaticInputs:
 
     def fill(self, requests: list, block_size: int, max_seq_len: int) -> int | None:
         """Writes the step's rows (padding after them) and returns its longest context, or None
-        where a request is not a decode row (one new token, one due). Each row's sampling
+        where a request is not decoding (one new token and its drafts, a token due). A request
+        with drafts takes a row per new token: row j at position computed + j attends over the
+        keys up to its own, which every layer has written before any attention reads them, and
+        draws at output index len(output) + j: its own decode step, in effect. Each row's sampling
         parameters and seed are written only when another request, or another seed, holds the
         row than last step; needs_logits then says whether some row asks for log-probabilities or
         penalties. The program's nodes check every index again before any of them writes."""
@@ -323,32 +328,36 @@ class _StaticInputs:
         sampling_of = self._sampling_of
         needs_logits = False
         try:
-            for i, r in enumerate(requests):
-                position, table, new_tokens = r.num_computed_tokens, r.block_table, r.token_ids
-                if len(new_tokens) != 1 or r.sampling is None:
+            i = 0
+            for index, r in enumerate(requests):
+                table, new_tokens = r.block_table, r.token_ids
+                if len(new_tokens) != 1 + len(r.draft_token_ids) or r.sampling is None:
                     self._filled = self.rows
                     return None
-                blocks = position // block_size + 1
-                if position >= max_seq_len:
-                    raise ValueError(f"a request of {position + 1} tokens exceeds the model's context of "
-                                     f"{max_seq_len}")
-                if blocks > len(table):
-                    raise ValueError(f"request {i}: seq_len {position + 1} needs {blocks} blocks, its block table "
-                                     f"has {len(table)}")
-                ids[i] = new_tokens[0]
-                positions[i] = position
-                slots[i] = table[blocks - 1] * block_size + position % block_size
-                seq_lens[i] = position + 1
-                tables[i, :blocks] = table if blocks == len(table) else table[:blocks]
-                offsets[i] = len(r.output_token_ids)
-                longest = max(longest, position + 1)
-                if i >= len(sampling_of) or sampling_of[i][0] is not r.sampling or sampling_of[i][1] != r.seed:
-                    self._write_sampling(i, r.sampling, r.seed)
-                needs_logits = needs_logits or sampling_of[i][2]
+                for j, token in enumerate(new_tokens):
+                    position = r.num_computed_tokens + j
+                    blocks = position // block_size + 1
+                    if position >= max_seq_len:
+                        raise ValueError(f"a request of {position + 1} tokens exceeds the model's context of "
+                                         f"{max_seq_len}")
+                    if blocks > len(table):
+                        raise ValueError(f"request {index}: seq_len {position + 1} needs {blocks} blocks, its block "
+                                         f"table has {len(table)}")
+                    ids[i] = token
+                    positions[i] = position
+                    slots[i] = table[blocks - 1] * block_size + position % block_size
+                    seq_lens[i] = position + 1
+                    tables[i, :blocks] = table if blocks == len(table) else table[:blocks]
+                    offsets[i] = len(r.output_token_ids) + j
+                    longest = max(longest, position + 1)
+                    if i >= len(sampling_of) or sampling_of[i][0] is not r.sampling or sampling_of[i][1] != r.seed:
+                        self._write_sampling(i, r.sampling, r.seed)
+                    needs_logits = needs_logits or sampling_of[i][2]
+                    i += 1
         except BaseException:
             self._filled = self.rows  # every row after the good ones padded again next step
             raise
-        n = len(requests)
+        n = i
         if n < self._filled or not self._filled:
             self._pad(n)
         self._filled = n

@@ -21,6 +21,7 @@ from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, check_int, check_text
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
 from kvflow.engine.sequence import Sequence, SequenceStatus
+from kvflow.engine.speculator import Speculator
 from kvflow.engine.stop_strings import StopStringMatcher
 from kvflow.engine.structured_output import StructuredOutputCompiler
 from kvflow.loader import load_model
@@ -67,6 +68,10 @@ class LLMEngine:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        if not config.on_cuda:
+            platform.set_batch_invariant(config.batch_invariant)
+        elif config.batch_invariant:
+            raise ValueError("batch_invariant is a CPU mode: the CUDA kernels have none")
         self.platform = platform.hold(self)  # the CPU instruction set stays as it is while this engine lives
         self.cpu_threads = None if config.on_cuda else CpuThreadGovernor(torch.get_num_threads())
         if not config.on_cuda and not self.platform.vector_kernels:
@@ -108,6 +113,8 @@ class LLMEngine:
         self._step_failures = 0          # model steps that raised (each aborted its requests)
         self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
         self._grammar_compiler: StructuredOutputCompiler | None = None  # made for the first constrained request
+        self.speculator = None if config.speculative_config is None else Speculator(config.speculative_config,
+                                                                                    max_model_len)
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
@@ -223,6 +230,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self._requests:  # the scheduler guarantees a lone request progresses: this is a bug
@@ -244,9 +253,11 @@ class LLMEngine:
                     self._prompt_tokens += len(seq.prompt_token_ids)
                     self._cached_prompt_tokens += seq.num_computed_tokens
             start = seq.num_computed_tokens
-            batch.append(ScheduledRequest(seq.tokens(start, s.num_new_tokens), start, seq.block_table,
+            drafts = seq.draft_token_ids if s.num_draft_tokens else []
+            tokens = seq.tokens(start, s.num_new_tokens - len(drafts))
+            batch.append(ScheduledRequest(tokens + drafts if drafts else tokens, start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
-                                          seq.output_token_ids, seq.grammar if s.samples else None))
+                                          seq.output_token_ids, seq.grammar if s.samples else None, drafts))
         governor = self.cpu_threads
         one_thread = governor is not None and governor.begin_step()
         try:
@@ -269,28 +280,31 @@ class LLMEngine:
                 governor.end_step(one_thread)
         now = time.perf_counter()
         advanced = []
-        for s, token in zip(plan.scheduled, sampled):
-            if token is None:
+        for s, tokens in zip(plan.scheduled, sampled):
+            if tokens is None:
                 continue
             seq = s.seq
-            seq.output_token_ids.append(token.token_id)
-            seq.times.token_times.append(now)
+            if s.num_draft_tokens:
+                s.num_accepted_tokens = len(tokens) - 1
+                self.speculator.record(seq, s.num_draft_tokens, s.num_accepted_tokens)
+            sample = self._requests[seq.request_id].samples[seq.index]
+            for token in tokens:
+                seq.output_token_ids.append(token.token_id)
+                seq.times.token_times.append(now)
+                if sample.logprobs is not None:
+                    entry = {token.token_id: token.logprob}
+                    entry.update({t: lp for t, lp in token.top_logprobs or []})
+                    sample.logprobs.append(entry)
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            sample = self._requests[seq.request_id].samples[seq.index]
-            if sample.logprobs is not None:
-                entry = {token.token_id: token.logprob}
-                entry.update({t: lp for t, lp in token.top_logprobs or []})
-                sample.logprobs.append(entry)
-            advanced.append(sample)
-            self._generated_tokens += 1
+            advanced.append((sample, len(tokens)))
         self.scheduler.on_step_done(plan.scheduled)
         touched: dict[str, _Request] = {}
-        for sample in advanced:
+        for sample, count in advanced:
             request = self._requests[sample.seq.request_id]
             if sample.seq.index == 0 and request.unforked:
                 self._fork(request)
-            self._advance(sample, now)
+            self._advance(sample, now, count)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()
                    if request.finished or request.samples[0].seq.params.output_kind == "cumulative"]
@@ -310,8 +324,30 @@ class LLMEngine:
         self._unforked_samples -= len(request.unforked)
         request.unforked = []
 
-    def _advance(self, sample: _Sample, now: float) -> None:
-        """Detokenizes the sample's new token and applies the stop conditions."""
+    def _advance(self, sample: _Sample, now: float, count: int = 1) -> None:
+        """Detokenizes the sample's `count` new tokens (the last of its output) one by one and
+        applies the stop conditions after each; the tokens after one that ends the sample are
+        dropped."""
+        seq = sample.seq
+        first = len(seq.output_token_ids) - count
+        new_tokens = seq.output_token_ids[first:]
+        del seq.output_token_ids[first:]
+        del seq.times.token_times[first:]
+        if sample.logprobs is not None:
+            new_logprobs = sample.logprobs[first:]
+            del sample.logprobs[first:]
+        for i, token in enumerate(new_tokens):
+            seq.output_token_ids.append(token)
+            seq.times.token_times.append(now)
+            if sample.logprobs is not None:
+                sample.logprobs.append(new_logprobs[i])
+            self._generated_tokens += 1
+            self._advance_one(sample, now)
+            if seq.status.finished:
+                break
+
+    def _advance_one(self, sample: _Sample, now: float) -> None:
+        """Detokenizes the sample's last token and applies the stop conditions."""
         seq, params = sample.seq, sample.seq.params
         token = seq.output_token_ids[-1]
         grammar_done = False
@@ -361,9 +397,12 @@ class LLMEngine:
         first = request.samples[0].seq
         t = first.times
         finished_times = [s.seq.times.finished for s in request.samples]
+        seqs = [sample.seq for sample in request.samples]
         metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, list(t.token_times),
                                  max(finished_times) if all(f is not None for f in finished_times) else None,
-                                 sum(s.seq.num_preemptions for s in request.samples), request.num_cached_prompt_tokens)
+                                 sum(q.num_preemptions for q in seqs), request.num_cached_prompt_tokens,
+                                 sum(q.num_verifications for q in seqs), sum(q.num_draft_tokens for q in seqs),
+                                 sum(q.num_accepted_tokens for q in seqs))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, metrics)
 
@@ -382,4 +421,5 @@ class LLMEngine:
             "cached_prompt_tokens": self._cached_prompt_tokens,
             "finished_requests": dict(self._finished_requests),
             "step_failures": self._step_failures,
+            "spec_decode": None if self.speculator is None else self.speculator.stats(),
         }

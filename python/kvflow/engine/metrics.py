@@ -51,6 +51,19 @@ class _EngineStatsCollector:
                       stats["cached_prompt_tokens"])
         yield counter("kvflow:model_step_failures", "Model steps that failed (their requests were aborted).",
                       stats["step_failures"])
+        spec = stats.get("spec_decode")
+        if spec is not None:
+            yield counter("kvflow:spec_decode_num_drafts", "Speculative verifications (request steps with drafts).",
+                          spec["num_drafts"])
+            yield counter("kvflow:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec["num_draft_tokens"])
+            yield counter("kvflow:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                          spec["num_accepted_tokens"])
+            per_position = CounterMetricFamily("kvflow:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by position in the draft.",
+                                               labels=["model_name", "position"])
+            for position, count in enumerate(spec["accepted_per_position"]):
+                per_position.add_metric([self._model_name, str(position)], count)
+            yield per_position
         finished = CounterMetricFamily("kvflow:request_success", "Finished requests, by finish reason.",
                                        labels=["model_name", "finished_reason"])
         for reason, count in stats["finished_requests"].items():

@@ -14,7 +14,7 @@ from kvflow.engine.sampling_params import SamplingParams
 from kvflow.engine.structured_output import GrammarMatcher
 from kvflow.models.config import ModelConfig
 from kvflow.ops.cache import copy_blocks
-from kvflow.ops.sampling import apply_penalties, apply_token_bitmask, compute_logprobs, sample
+from kvflow.ops.sampling import apply_penalties, apply_token_bitmask, compute_logprobs, rejection_sample, sample
 
 
 @dataclass
@@ -28,10 +28,16 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)  # read for penalties
     output_token_ids: list[int] = field(default_factory=list)  # the tokens sampled so far
     grammar: GrammarMatcher | None = None  # structured output: the tokens allowed next
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: the last of token_ids, to verify
 
     @property
     def seq_len(self) -> int:
         return self.num_computed_tokens + len(self.token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits this step samples: the last token's, and one per draft before it."""
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -39,6 +45,22 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+def accept_drafts(requests: list[ScheduledRequest], drawn: list[SampledToken]) -> list[list[SampledToken]]:
+    """Each request's rows drawn one by one (drawn, request after request), kept up to the first
+    draw that is not the row's draft: rejection_sample's rule, where the program drew each row as
+    sample() does at its own output index."""
+    results, row = [], 0
+    for r in requests:
+        tokens = []
+        for j in range(r.num_sampled_rows):
+            tokens.append(drawn[row + j])
+            if j == len(r.draft_token_ids) or drawn[row + j].token_id != r.draft_token_ids[j]:
+                break
+        results.append(tokens)
+        row += r.num_sampled_rows
+    return results
 
 
 class ModelRunner:
@@ -68,10 +90,11 @@ class ModelRunner:
         return self.decode_graphs.sizes
 
     def execute(self, requests: list[ScheduledRequest],
-                block_copies: list[tuple[int, int]] | None = None) -> list[SampledToken | None]:
+                block_copies: list[tuple[int, int]] | None = None) -> list[list[SampledToken] | None]:
         """Runs one step, after copying each (source, destination) block of block_copies in every
         layer's cache (blocks about to be written that other requests share); returns, per
-        request, the sampled token or None where none was due."""
+        request, its new tokens (one, or with drafts the accepted ones and the token after them),
+        or None where none was due."""
         if block_copies:
             copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
                         torch.tensor(block_copies, dtype=torch.int64, device=self.device))
@@ -79,14 +102,19 @@ class ModelRunner:
             return []
         step = None if self.cpu_programs is None else self.cpu_programs.run(requests)
         if step is not None:
+            if any(r.draft_token_ids for r in requests):
+                if not step.needs_logits:
+                    return accept_drafts(requests, [SampledToken(t) for t in step.token_ids])
+                with torch.inference_mode():
+                    return self._verify(step.logits, requests)
             if not step.needs_logits:
-                return [SampledToken(t) for t in step.token_ids]
+                return [[SampledToken(t)] for t in step.token_ids]
             with torch.inference_mode():  # a program's outputs are inference tensors
-                return self._sample(step.logits, requests, step.token_ids)
+                return [[t] for t in self._sample(step.logits, requests, step.token_ids)]
         with torch.inference_mode():
             return self._execute_op_by_op(requests)
 
-    def _execute_op_by_op(self, requests: list[ScheduledRequest]) -> list[SampledToken | None]:
+    def _execute_op_by_op(self, requests: list[ScheduledRequest]) -> list[list[SampledToken] | None]:
         """A step the model runs op by op (or a CUDA graph replays)."""
         for r in requests:
             if not r.token_ids:
@@ -98,7 +126,7 @@ class ModelRunner:
         host = HostMetadata.of([len(r.token_ids) for r in requests], [r.seq_len for r in requests],
                                [r.block_table for r in requests], self.block_size, self.num_blocks)
         due = [i for i, r in enumerate(requests) if r.sampling is not None]
-        results: list[SampledToken | None] = [None] * len(requests)
+        results: list[list[SampledToken] | None] = [None] * len(requests)
         # With CUDA graphs the metadata stays on the host until it is known whether it is copied
         # into the graphs' static buffers or uploaded for an eager step.
         metadata = host.to_tensors(self.device if graphs is None else "cpu")
@@ -109,15 +137,67 @@ class ModelRunner:
             hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
         if not due:
             return results
-        last_rows, end = [], 0
+        ends, end = [], 0
         for r in requests:
             end += len(r.token_ids)
-            last_rows.append(end - 1)
-        rows = [last_rows[i] for i in due]
+            ends.append(end)
+        rows = [row for i in due for row in range(ends[i] - requests[i].num_sampled_rows, ends[i])]
         sampled_hidden = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows, torch.int64)]
         logits = self.model.compute_logits(sampled_hidden)
-        for i, sampled in zip(due, self._sample(logits, [requests[i] for i in due])):
-            results[i] = sampled
+        due_requests = [requests[i] for i in due]
+        if any(r.draft_token_ids for r in due_requests):
+            for i, tokens in zip(due, self._verify(logits, due_requests)):
+                results[i] = tokens
+        else:
+            for i, sampled in zip(due, self._sample(logits, due_requests)):
+                results[i] = [sampled]
+        return results
+
+    def _verify(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[list[SampledToken]]:
+        """Speculative decoding: each request's rows (one per draft, then the last) verified by
+        rejection_sample; grammar masks and penalties first, each row's penalties counting the
+        drafts before it as output. Returns each request's accepted drafts and the token after."""
+        params = [r.sampling for r in requests]
+        cu_rows = [0]
+        for r in requests:
+            cu_rows.append(cu_rows[-1] + r.num_sampled_rows)
+        raw_logits = logits
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if (constrained or penalized) and wants_logprobs:
+            raw_logits = logits.clone()
+        if constrained:
+            if any(requests[i].draft_token_ids for i in constrained):
+                raise ValueError("a request with a grammar cannot bring draft tokens")
+            self._apply_grammar_masks(logits, requests, constrained, [cu_rows[i] for i in constrained])
+        if penalized:
+            row_requests, row_outputs = [], []
+            for r in requests:
+                for j in range(r.num_sampled_rows):
+                    row_requests.append(r)
+                    row_outputs.append(r.output_token_ids + r.draft_token_ids[:j] if j else r.output_token_ids)
+            self._apply_penalties(logits, row_requests, row_outputs)
+        drafts = [t for r in requests for t in r.draft_token_ids + [-1]]
+        temperature, top_k, top_p, min_p, seeds = self._sampling_rows(params, [r.seed for r in requests])
+        out, num_emitted = rejection_sample(logits, self._tensor(drafts, torch.int64), self._tensor(cu_rows, torch.int64),
+                                            temperature, top_k, top_p, min_p, seeds, self._output_offsets(requests))
+        out, num_emitted = out.tolist(), num_emitted.tolist()
+        results = [[SampledToken(t) for t in out[cu_rows[b]:cu_rows[b] + num_emitted[b]]] for b in range(len(requests))]
+        if wants_logprobs:
+            num_top = max(p.logprobs or 0 for p in params)
+            emitted_rows = [row for b in range(len(requests)) for row in range(cu_rows[b], cu_rows[b] + num_emitted[b])]
+            tokens = [t.token_id for tokens in results for t in tokens]
+            chosen, top_ids, top_values = compute_logprobs(raw_logits[self._tensor(emitted_rows, torch.int64)],
+                                                           self._tensor(tokens, torch.int64), num_top)
+            chosen, top_ids, top_values = chosen.tolist(), top_ids.tolist(), top_values.tolist()
+            row = 0
+            for p, tokens in zip(params, results):
+                for token in tokens:
+                    if p.logprobs is not None:
+                        token.logprob = chosen[row]
+                        token.top_logprobs = list(zip(top_ids[row][: p.logprobs], top_values[row][: p.logprobs]))
+                    row += 1
         return results
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
@@ -132,9 +212,9 @@ class ModelRunner:
             if any(p.logprobs is not None for p in params):
                 raw_logits = logits.clone()
             if constrained:
-                self._apply_grammar_masks(logits, requests, constrained)
+                self._apply_grammar_masks(logits, requests, constrained, constrained)
             if penalized:
-                self._apply_penalties(logits, requests)
+                self._apply_penalties(logits, requests, [r.output_token_ids for r in requests])
             token_ids = None
         if token_ids is None:
             tokens = sample(logits, *self._sampling_rows(params, [r.seed for r in requests]),
@@ -153,16 +233,18 @@ class ModelRunner:
                     results[i].top_logprobs = list(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs]))
         return results
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                             constrained: list[int]) -> None:
-        """Each constrained row's allowed next tokens, from its grammar matcher on the host, as -inf
-        elsewhere in its logits."""
+    def _apply_grammar_masks(self, logits: torch.Tensor, requests: list[ScheduledRequest], constrained: list[int],
+                             rows: list[int]) -> None:
+        """Each constrained request's allowed next tokens, from its grammar matcher on the host, as
+        -inf elsewhere in its logits row (rows[m] for constrained[m])."""
         bitmask = torch.full((len(constrained), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
         for mask_row, i in enumerate(constrained):
             requests[i].grammar.fill_bitmask(bitmask, mask_row)
-        apply_token_bitmask(logits, bitmask.to(logits.device), constrained)
+        apply_token_bitmask(logits, bitmask.to(logits.device), rows)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                         outputs: list[list[int]]) -> None:
+        """Row i's penalties: requests[i]'s parameters and prompt, and outputs[i] as its output."""
         def packed(lists):
             offsets = [0]
             for values in lists:
@@ -171,7 +253,7 @@ class ModelRunner:
             return self._tensor(flat, torch.int64), self._tensor(offsets, torch.int64)
 
         prompt, prompt_offsets = packed([r.prompt_token_ids for r in requests])
-        output, output_offsets = packed([r.output_token_ids for r in requests])
+        output, output_offsets = packed(outputs)
 
         def column(name):
             return self._tensor([getattr(r.sampling, name) for r in requests], torch.float32)

@@ -12,6 +12,24 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # Speculative decoding, over the request's samples: steps that verified drafts, the drafts
+    # proposed, and those accepted.
+    num_spec_verifications: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts / proposed drafts; None without drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification step emitted on average: its accepted drafts + the target's own
+        token after them (vLLM's mean acceptance length); None without drafts."""
+        if not self.num_spec_verifications:
+            return None
+        return 1 + self.num_accepted_tokens / self.num_spec_verifications
 
     @property
     def queue_time(self) -> float | None:

@@ -33,12 +33,14 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int       # including the draft tokens
+    num_draft_tokens: int = 0  # speculative decoding: seq.draft_token_ids, the last of the new tokens
+    num_accepted_tokens: int = 0  # of those drafts, set by the engine after the step
 
     @property
     def samples(self) -> bool:
         """Whether this step computes the sequence's last known token, so a new one is due."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -111,11 +113,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n, out):
+            drafts = self._fitting_drafts(seq, n, budget)
+            if not self._reserve(seq, n + drafts, out):
                 break  # seq itself was preempted: it was the last running one
             self._register_full_blocks(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSequence(seq, n))
-            budget -= n
+            out.scheduled.append(ScheduledSequence(seq, n + drafts, drafts))
+            budget -= n + drafts
             i += 1
         # No admissions in a step that had to preempt: the pool is dry, and a preempted request
         # readmitted at once would only thrash.
@@ -140,6 +143,20 @@ class Scheduler:
             budget -= n
         return out
 
+    def _fitting_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of seq's draft tokens join its n new ones this step: those the token budget
+        leaves room for, and none where their blocks would not fit without preempting (a draft
+        is a guess; a running request's place is not). seq.draft_token_ids is cut to that."""
+        drafts = seq.draft_token_ids
+        if not drafts:
+            return 0
+        count = min(len(drafts), budget - n) if n == seq.num_uncomputed_tokens else 0
+        if count > 0 and not self.allocator.can_allocate(self._missing_blocks(seq, n + count)
+                                                         + len(self._shared_blocks(seq, n + count))):
+            count = 0
+        del drafts[count:]
+        return count
+
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of seq, preempting the latest admitted others if needed.
         False if seq had to be preempted itself."""
@@ -160,6 +177,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self._release_blocks(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -188,9 +206,18 @@ class Scheduler:
 
     def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
         """Advance every scheduled sequence past the tokens just computed (the engine has already
-        appended any sampled token)."""
+        appended any sampled token). Of a sequence's drafts, only the accepted ones count: the
+        rejected ones' keys and values are left behind, and the blocks that hold nothing else
+        go back to the pool."""
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens + s.num_accepted_tokens
+            seq.draft_token_ids = []
+            if s.num_draft_tokens and seq.block_table:
+                keep = self._blocks_for(seq.num_computed_tokens)
+                if len(seq.block_table) > keep:
+                    self.allocator.free(seq.block_table[keep:])
+                    del seq.block_table[keep:]
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Ends seq (stopped, length or aborted) and frees its blocks now."""

@@ -49,6 +49,15 @@ class Sequence:
         # Structured output: this sample's place in its grammar (structured_output.GrammarMatcher),
         # advanced by every token it accepts; None when unconstrained or once finished.
         self.grammar = None
+        # Speculative decoding: the tokens proposed to follow this step's (set before each step,
+        # verified in it, cleared after), the proposer's own state, and the tallies behind
+        # RequestOutput.metrics and the acceptance that turns speculation down for this sequence.
+        self.draft_token_ids: list[int] = []
+        self.proposer_state = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+        self.speculation = None  # engine.speculation.SpeculationGate, made by the engine
 
     @property
     def token_ids(self) -> list[int]:

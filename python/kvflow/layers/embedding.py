@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from kvflow.layers.linear import PackedWeight, quantized_parameter
-from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
+from kvflow.ops.linear import takes_small_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -70,7 +70,7 @@ class LMHead(nn.Module):
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32, device=weight.device)
             torch.ops.kvflow.quantized_linear(logits, hidden, weight, ggml_type, None)
             return logits
-        if hidden.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS:
+        if hidden.is_cpu and takes_small_linear(rows):
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
             torch.ops.kvflow.small_linear(logits, hidden, weight, None)
             return logits

@@ -6,7 +6,7 @@ from torch import nn
 
 from kvflow import ops
 from kvflow.layers.activation import GatedActivation
-from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
+from kvflow.ops.linear import takes_small_linear
 from kvflow.ops.quantized import BLOCK_VALUES, INTERLEAVED_ROWS, INTERLEAVED_TYPES, interleave_rows, quantized_row_bytes
 
 
@@ -80,7 +80,7 @@ class Linear(nn.Module):
             out = x.new_empty((rows, self.out_features))
             torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, self.bias)
             return out
-        if x.is_cpu and 0 < rows <= SMALL_LINEAR_MAX_ROWS and x.dim() == 2:
+        if x.is_cpu and takes_small_linear(rows) and x.dim() == 2:
             out = x.new_empty((rows, self.out_features))
             torch.ops.kvflow.small_linear(out, x, self.weight, self.bias)
             return out
@@ -159,7 +159,7 @@ class GateUpLinear(MergedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> gate|up [rows, 2 * intermediate_size]."""
-        if self.packed_weight is not None and self.packed_weight.gate_up and x.shape[0] > SMALL_LINEAR_MAX_ROWS:
+        if self.packed_weight is not None and self.packed_weight.gate_up and not takes_small_linear(x.shape[0]):
             return torch.nn.functional.linear(x, self.weight, self.bias)  # the packed copy serves activated only
         return super().forward(x)
 
@@ -168,7 +168,7 @@ class GateUpLinear(MergedLinear):
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, intermediate_size]."""
         if (self.packed_weight is not None and self.packed_weight.gate_up and x.dim() == 2
-                and x.shape[0] > SMALL_LINEAR_MAX_ROWS):
+                and not takes_small_linear(x.shape[0])):
             return self.packed_weight.silu_and_mul(x)
         return self.act(self(x))
 

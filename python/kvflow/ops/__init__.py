@@ -9,8 +9,8 @@ from kvflow.ops.linear import linear, pack_linear_weight, packed_linear, packed_
 from kvflow.ops.quantized import quantized_embedding, quantized_linear
 from kvflow.ops.norm import fused_add_rms_norm, rms_norm, rms_norm_add
 from kvflow.ops.rope import compute_cos_sin_cache, rotary_embedding
-from kvflow.ops.sampling import (apply_penalties, apply_sampling_filters, apply_token_bitmask, compute_logprobs, sample,
-                                 scale_logits)
+from kvflow.ops.sampling import (apply_penalties, apply_sampling_filters, apply_token_bitmask, compute_logprobs,
+                                 rejection_sample, sample, scale_logits)
 
 
 def supported_cpu_isas() -> list[str]:
@@ -35,6 +35,7 @@ __all__ = [
     "apply_penalties",
     "apply_sampling_filters",
     "compute_logprobs",
+    "rejection_sample",
     "sample",
     "scale_logits",
     "apply_token_bitmask",

@@ -3,9 +3,18 @@
 
 import torch
 
+from kvflow import _C
+
 # Up to this many rows the product is bound by reading the weights, which small_linear does at
 # the machine's read bandwidth; beyond it torch's blocked matmul reuses each weight more.
 SMALL_LINEAR_MAX_ROWS = 8
+
+
+def takes_small_linear(rows: int) -> bool:
+    """Whether a CPU product of `rows` rows runs small_linear: up to SMALL_LINEAR_MAX_ROWS, and
+    any number in batch-invariant mode (kvflow.platform.set_batch_invariant), where one kernel
+    computes every row in one order."""
+    return 0 < rows and (rows <= SMALL_LINEAR_MAX_ROWS or _C.batch_invariant())
 
 
 def small_linear(
@@ -63,7 +72,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     input [..., in_features] -> [..., out_features].
     """
     rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    if input.device.type == "cpu" and 0 < rows <= SMALL_LINEAR_MAX_ROWS and weight.is_contiguous():
+    if input.device.type == "cpu" and takes_small_linear(rows) and weight.is_contiguous():
         flat = input.reshape(rows, input.shape[-1])
         return small_linear(flat, weight, bias).reshape(*input.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(input, weight, bias)

@@ -29,6 +29,43 @@ def sample(
     return out
 
 
+def rejection_sample(
+    logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative decoding's verification of draft tokens against the target's logits.
+
+    Request b owns rows cu_rows[b]..cu_rows[b + 1] - 1 of logits [rows, vocab] (cu_rows int64
+    [requests + 1]); with k drafts it has k + 1 rows: row j holds the target's logits after the
+    drafts before it, and draft_token_ids[row j] (int64 [rows]) the draft proposed there (the
+    last row's entry is ignored). The sampling parameters are one per request, as sample() takes
+    them per row. Row j draws its token exactly as sample() would for output index offsets[b] + j;
+    a draw equal to the draft accepts it and row j + 1 draws next; any other draw (or the last
+    row's) is the request's last token.
+
+    This is the rule of Leviathan et al. for drafts proposed as single tokens (n-gram lookup, a
+    greedy draft model; q = 1 at the draft): the draft is accepted with probability p(draft), and
+    a rejection's token is distributed as p without the draft, renormalised (the residual
+    max(p - q, 0)). Every emitted token is therefore the one sample() draws for its output index
+    from the same logits: a seeded request gives the same tokens with and without drafts.
+
+    Returns (out int64 [rows]: request b's emitted tokens from its first row on, -1 after them;
+    num_emitted int64 [requests]: its accepted drafts + 1)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    num_emitted = torch.empty(cu_rows.shape[0] - 1 if cu_rows.dim() == 1 else 0, dtype=torch.int64,
+                              device=logits.device)
+    torch.ops.kvflow.rejection_sample(out, num_emitted, logits, draft_token_ids, cu_rows, temperature, top_k, top_p,
+                                      min_p, seeds, offsets)
+    return out, num_emitted
+
+
 def scale_logits(logits: torch.Tensor, divisor: float = 1.0, soft_cap: float | None = None) -> torch.Tensor:
     """In place on float32 logits [batch, vocab]: logits / divisor (Granite's logits_scaling), then
     soft_cap * tanh(logits / soft_cap) when soft_cap is given (Gemma 2's final soft cap). Returns
@@ -106,6 +143,12 @@ def compute_logprobs(
 
 @torch.library.register_fake("kvflow::sample")
 def _sample_fake(out, logits, temperature, top_k, top_p, min_p, seeds, offsets):
+    return None
+
+
+@torch.library.register_fake("kvflow::rejection_sample")
+def _rejection_sample_fake(out, num_emitted, logits, draft_token_ids, cu_rows, temperature, top_k, top_p, min_p, seeds,
+                           offsets):
     return None
 
 

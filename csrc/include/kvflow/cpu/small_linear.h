@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "kvflow/cpu/vec_scalar.h"
 #include "kvflow/numeric.h"
@@ -119,6 +120,17 @@ template <class TileAt>
 inline void small_linear_blocks(int64_t rows, int64_t begin, int64_t end, const TileAt& tile_at) {
   constexpr int kOutBlock = 4, kRowBlock = 4;
   int64_t o = begin;
+  if (batch_invariant()) {  // one accumulator per dot product (kSplit 1) at every row count
+    for (; o + kOutBlock <= end; o += kOutBlock) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        dispatch_rows<kOutBlock>(int(std::min<int64_t>(kRowBlock, rows - r0)), tile_at(o, r0));
+      }
+    }
+    for (; o < end; ++o) {  // a last feature or three past the tiles: one row at a time
+      for (int64_t r = 0; r < rows; ++r) dispatch_rows<1>(1, tile_at(o, r));
+    }
+    return;
+  }
   if (rows <= 2) {
     for (; o < end; ++o) dispatch_rows<1>(int(rows), tile_at(o, 0));
     return;

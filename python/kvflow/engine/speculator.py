@@ -1,0 +1,86 @@
+"""Speculative decoding's engine side: before each step, draft tokens for the running requests
+that are decoding; after it, the tallies of what was accepted, per request and engine-wide, and
+the gate that turns speculation down for a request whose drafts keep failing."""
+
+from kvflow.engine.ngram_proposer import NgramProposer
+from kvflow.engine.sequence import Sequence
+from kvflow.engine.speculative_config import SpeculativeConfig
+
+# A request whose verifications accept fewer drafts than this on average (a moving average)
+# stops proposing for a while: a verification with no accepted draft costs more than a plain step.
+MIN_MEAN_ACCEPTED = 0.5
+ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in the moving average
+FIRST_PAUSE_STEPS = 4       # steps without drafts after the average first falls below; doubles each time
+MAX_PAUSE_STEPS = 256
+
+
+class SpeculationGate:
+    """One sequence's moving average of accepted drafts per verification, and its pause."""
+
+    def __init__(self):
+        self.mean_accepted = 1.0  # optimistic: a request starts speculating
+        self.paused_steps = 0
+        self.next_pause = FIRST_PAUSE_STEPS
+
+    def open(self) -> bool:
+        if self.paused_steps > 0:
+            self.paused_steps -= 1
+            return False
+        return True
+
+    def record(self, accepted: int) -> None:
+        self.mean_accepted += ACCEPTANCE_SMOOTHING * (accepted - self.mean_accepted)
+        if self.mean_accepted < MIN_MEAN_ACCEPTED:
+            self.paused_steps = self.next_pause
+            self.next_pause = min(2 * self.next_pause, MAX_PAUSE_STEPS)
+            self.mean_accepted = MIN_MEAN_ACCEPTED  # one good verification after the pause keeps it going
+        elif accepted > 0:
+            self.next_pause = FIRST_PAUSE_STEPS
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not available in this build of "
+                             "kvflow; use ngram")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.num_drafts = 0              # verifications (steps of a request with at least one draft)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens  # drafts accepted at position i
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets draft_token_ids of each running sequence that decodes this step (one new token, a
+        sampled one) and has room: within max_tokens and the context, no grammar (its matcher
+        cannot look ahead), and its gate open."""
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
+                continue
+            gate = seq.speculation
+            if gate is None:
+                gate = seq.speculation = SpeculationGate()
+            if not gate.open():
+                continue
+            limit = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = self.proposer.propose(seq, limit)
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` draft tokens of seq, `accepted` of them accepted."""
+        seq.num_verifications += 1
+        seq.num_draft_tokens += drafted
+        seq.num_accepted_tokens += accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+        if seq.speculation is not None:
+            seq.speculation.record(accepted)
+
+    def stats(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position)}

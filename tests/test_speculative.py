@@ -1,0 +1,224 @@
+"""Speculative decoding (n-gram prompt lookup) and batch-invariant mode, on the embedded model.
+
+Batch-invariant mode: one row's logits are bit-equal whether 1, 5, 9 or 40 rows share the
+forward pass, in bfloat16 and float32, for decode rows and for the rows of a multi-token chunk.
+Speculation: in that mode, greedy and seeded sampled outputs are identical with and without
+drafts in float32 and bfloat16 (batched, and under preemption and chunked prefill), stop strings,
+n > 1, max_tokens and log-probabilities included; afterwards every KV block is free and the prefix cache
+holds no block with a rejected draft in it; the metrics count what was proposed and accepted."""
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams, platform
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.model_runner import ModelRunner
+from kvflow.engine.speculative_config import SpeculativeConfig
+
+BLOCK_SIZE = 16
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+_TEXT = ("The first public libraries lent books for free to anyone who lived in the town. Readers signed a "
+         "ledger, took one volume home for two weeks, and paid a small fine if they returned it late, a rule "
+         "that many libraries still follow today.")
+_CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+         "    return 2 * (width + height)\n")
+CHATS = [
+    [{"role": "user", "content": "Repeat this text exactly:\n\n" + _TEXT}],
+    [{"role": "user", "content": "Rename area to rectangle_area and print the whole file:\n\n" + _CODE}],
+    [{"role": "user", "content": "Which lines of this text mention money?\n\n" + _TEXT}],
+    [{"role": "user", "content": "Name three fruits that are red."}],
+]
+PLAIN = ["The capital of Italy is", _TEXT + "\n\nIn short,"]
+
+@pytest.fixture(autouse=True)
+def _invariant_mode_off_after():
+    yield
+    import gc
+    gc.collect()  # the engines of the test are gone, so the mode may change again
+    platform.set_batch_invariant(False)
+
+def make_llm(dtype: str, speculative: bool, **options) -> LLM:
+    return LLM(dtype=dtype, block_size=BLOCK_SIZE, speculative_config=NGRAM if speculative else None, **options)
+
+def prompts_of(llm: LLM) -> list[list[int]]:
+    tokenizer = llm.tokenizer
+    return [tokenizer.encode(tokenizer.apply_chat_template(chat)) for chat in CHATS] + \
+           [tokenizer.encode(text) for text in PLAIN]
+
+# ------------------------------------------------------------------------- batch-invariant mode
+
+def logits_of_rows(runner: ModelRunner, query_lens: list[int], contexts: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits of every new token of a step over the runner's model, op by op: request i has
+    contexts[i] tokens cached before its query_lens[i] new ones, in blocks of its own."""
+    tables, first = [], 0
+    for context, new in zip(contexts, query_lens):
+        blocks = -(-(context + new) // BLOCK_SIZE)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+    seq_lens = [c + q for c, q in zip(contexts, query_lens)]
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+    with torch.inference_mode():
+        hidden = runner.model(torch.tensor(tokens, dtype=torch.int64), metadata, runner.kv_caches)
+        return runner.model.compute_logits(hidden).clone()
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_rows_are_bit_equal_at_any_batch_size(dtype):
+    """Request 0 (a 40-token context) and its next token, alone and beside 4, 8 and 39 other
+    decode rows (contexts of 3 to 120 tokens), and as the last row of a 5-token chunk beside
+    others: its logits never change by a bit."""
+    llm = make_llm(dtype, False, batch_invariant=True, enforce_eager=True)
+    runner = llm.engine.runner
+    generator = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+    context_tokens = torch.randint(0, vocab, (40 * 200,), generator=generator).tolist()
+    # Fill every request's cache once: 40 requests, each its own blocks, context 40 for request 0.
+    contexts = [40] + [3 + 3 * i for i in range(39)]
+    logits_of_rows(runner, contexts, [0] * 40, context_tokens[:sum(contexts)])
+    new = torch.randint(0, vocab, (40,), generator=generator).tolist()
+    alone = logits_of_rows(runner, [1], [40], new[:1])[0]
+    for rows in (5, 9, 40):
+        batch = logits_of_rows(runner, [1] * rows, contexts[:rows], new[:rows])
+        assert torch.equal(batch[0], alone), f"{rows} decode rows: the row's logits changed"
+    # Request 0's last 5 context tokens again as one chunk (rewriting the same keys), then the row.
+    chunk = context_tokens[35:40] + new[:1]
+    for others in (0, 4, 35):
+        batch = logits_of_rows(runner, [6] + [1] * others, [35] + contexts[1:1 + others], chunk + new[1:1 + others])
+        assert torch.equal(batch[5], alone), f"a 6-row chunk beside {others} rows: the row's logits changed"
+
+def test_batch_invariant_mode_is_process_wide_and_held():
+    llm = make_llm("float32", False, batch_invariant=True)
+    assert platform.batch_invariant()
+    with pytest.raises(ValueError, match="process-wide"):
+        make_llm("float32", False)
+    del llm
+
+# ------------------------------------------------------------------------- identical outputs
+
+def run(llm: LLM, prompts, params) -> list:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.allocator.num_used_blocks == 0, "blocks left in use after every request finished"
+    return outputs
+
+def assert_same(reference: list, outputs: list) -> None:
+    for i, (ref, out) in enumerate(zip(reference, outputs)):
+        for a, b in zip(ref.outputs, out.outputs):
+            assert b.token_ids == a.token_ids, f"prompt {i} sample {a.index}: tokens differ"
+            assert (b.text, b.finish_reason) == (a.text, a.finish_reason), f"prompt {i}: text or finish differs"
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_and_seeded_outputs_identical_with_and_without_drafts(dtype):
+    """Batch-invariant mode: the same tokens, text and finish reasons with and without n-gram
+    drafts, for greedy requests and seeded sampled ones (n = 2), with stop strings and
+    log-probabilities; and the drafts were used (most accepted on the input-grounded prompts)."""
+    greedy = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, n=2, stop=["\n\n\n"])
+    plain = make_llm(dtype, False, batch_invariant=True)
+    prompts = prompts_of(plain)
+    reference = run(plain, prompts, greedy), run(plain, prompts, sampled)
+    del plain
+    llm = make_llm(dtype, True, batch_invariant=True)
+    outputs = run(llm, prompts, greedy), run(llm, prompts, sampled)
+    for ref, out in zip(reference, outputs):
+        assert_same(ref, out)
+    for ref, out in zip(reference[0], outputs[0]):
+        for a, b in zip(ref.outputs[0].logprobs, out.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    grounded = [out.metrics for out in outputs[0][:2]]
+    assert all(m.num_draft_tokens > 0 and m.acceptance_rate > 0.3 for m in grounded), \
+        [(m.num_draft_tokens, m.acceptance_rate) for m in grounded]
+    assert all(m.mean_accepted_length > 1.5 for m in grounded)
+    stats = llm.engine.stats()["spec_decode"]
+    assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats["accepted_per_position"][0] >= stats["accepted_per_position"][-1]
+    assert sum(stats["accepted_per_position"]) == stats["num_accepted_tokens"]
+
+def test_greedy_identical_under_preemption_and_chunked_prefill():
+    """Float32, batch-invariant mode: greedy tokens with drafts equal those of plain decoding, in
+    a KV pool so small that requests are preempted and recomputed, and with prompts prefilled in
+    chunks of 32 tokens (without the mode, a recomputed or chunked prefill rounds differently)."""
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    plain = make_llm("float32", False, batch_invariant=True)
+    prompts = prompts_of(plain)
+    reference = run(plain, prompts, greedy)
+    del plain
+    kv_bytes_per_token = 2 * 30 * 3 * 64 * 4
+    small = make_llm("float32", True, batch_invariant=True, kv_cache_memory=24 * BLOCK_SIZE * kv_bytes_per_token,
+                     max_num_batched_tokens=32, max_num_seqs=8)
+    outputs = run(small, prompts, greedy)
+    assert small.engine.stats()["preemptions"] > 0, "the pool was meant to preempt"
+    assert small.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+    assert_same(reference, outputs)
+
+# ------------------------------------------------------------------------- KV cache and prefix cache
+
+def test_prefix_cache_never_holds_a_rejected_draft():
+    """Every verification's rejected draft, appended to the tokens before it, is looked up in the
+    prefix cache: no block ending in it (or holding it) is ever found, while the accepted text's
+    full blocks are."""
+    llm = make_llm("float32", True)
+    engine = llm.engine
+    rejected: list[list[int]] = []
+    execute = engine.runner.execute
+
+    def recording(requests, copies=None):
+        results = execute(requests, copies)
+        for r, tokens in zip(requests, results):
+            if tokens is None or not r.draft_token_ids:
+                continue
+            emitted = [t.token_id for t in tokens]
+            j = len(emitted) - 1
+            if j < len(r.draft_token_ids):  # draft j was rejected: emitted[j] is the correction
+                before = r.prompt_token_ids + r.output_token_ids + emitted[:j]
+                rejected.append(before + [r.draft_token_ids[j]])
+        return results
+
+    engine.runner.execute = recording
+    prompts = prompts_of(llm)
+    outputs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=64))
+    assert rejected, "no draft was rejected: the test saw nothing"
+    allocator = engine.allocator
+    for tokens in rejected:
+        # Pad to the end of the rejected token's block, so that block is a full one to look up.
+        padded = tokens + [0] * (-len(tokens) % BLOCK_SIZE)
+        hits = allocator.lookup(padded)
+        allocator.free(hits)
+        assert len(hits) <= (len(tokens) - 1) // BLOCK_SIZE, "a block holding a rejected draft is cached"
+    for prompt, out in zip(prompts, outputs):
+        tokens = prompt + out.outputs[0].token_ids
+        hits = allocator.lookup(tokens)
+        allocator.free(hits)
+        assert len(hits) == (len(tokens) - 1) // BLOCK_SIZE  # all but the last token's KV is computed
+    assert allocator.num_used_blocks == 0
+
+# ------------------------------------------------------------------------- configuration and metrics
+
+def test_speculative_config_is_checked():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+    one = SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+    for bad, message in [({"num_speculative_tokens": 4}, "needs a method"),
+                         ({"method": "eagle"}, "method must be one of"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+                         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
+                         ({"method": "ngram", "lookahead": 2}, "unknown field"),
+                         ({"method": "draft_model"}, "needs a model"),
+                         ("{not json", "not valid JSON")]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(bad)
+
+def test_prometheus_counters_have_vllms_names():
+    from prometheus_client import generate_latest
+
+    from kvflow.engine.metrics import EngineMetrics
+
+    llm = make_llm("float32", True)
+    run(llm, prompts_of(llm)[:1], SamplingParams(temperature=0, max_tokens=32))
+    text = generate_latest(EngineMetrics(llm.engine.stats, "m").registry).decode()
+    stats = llm.engine.stats()["spec_decode"]
+    for name, value in [("spec_decode_num_drafts", stats["num_drafts"]),
+                        ("spec_decode_num_draft_tokens", stats["num_draft_tokens"]),
+                        ("spec_decode_num_accepted_tokens", stats["num_accepted_tokens"])]:
+        assert f'kvflow:{name}_total{{model_name="m"}} {float(value)}' in text
+    assert f'kvflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+           f'{float(stats["accepted_per_position"][0])}' in text
