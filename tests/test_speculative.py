@@ -16,7 +16,10 @@ from kvflow.engine.model_runner import ModelRunner
 from kvflow.engine.speculative_config import SpeculativeConfig
 
 BLOCK_SIZE = 16
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# Drafts at every batch size here (the CPU default stops them above 2 requests), so that
+# verification rows share steps with other requests' rows.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+         "disable_by_batch_size": 64}
 
 _TEXT = ("The first public libraries lent books for free to anyone who lived in the town. Readers signed a "
          "ledger, took one volume home for two weeks, and paid a small fine if they returned it late, a rule "
@@ -203,9 +206,27 @@ def test_speculative_config_is_checked():
                          ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "must not exceed"),
                          ({"method": "ngram", "lookahead": 2}, "unknown field"),
                          ({"method": "draft_model"}, "needs a model"),
+                         ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
                          ("{not json", "not valid JSON")]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
+
+def test_drafts_stop_above_disable_by_batch_size():
+    """Three requests with disable_by_batch_size 2: no drafts while more than two are in the
+    engine, drafts again once only two are left."""
+    config = dict(NGRAM, disable_by_batch_size=2)
+    llm = LLM(dtype="float32", block_size=BLOCK_SIZE, speculative_config=config)
+    prompts = prompts_of(llm)[:1] * 3
+    lengths = [8, 40, 40]
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths], use_tqdm=False)
+    assert outputs[0].metrics.num_draft_tokens == 0
+    assert all(out.metrics.num_draft_tokens > 0 for out in outputs[1:])
+
+
+def test_draft_model_is_refused_clearly():
+    with pytest.raises(ValueError, match="draft_model.*not available"):
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+
 
 def test_prometheus_counters_have_vllms_names():
     from prometheus_client import generate_latest

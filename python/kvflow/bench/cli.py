@@ -116,11 +116,16 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     print(f"{len(requests)} requests to {args.base_url}{args.endpoint} (model {model}), "
           f"rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
           f"max concurrency {args.max_concurrency or 'unlimited'}", file=sys.stderr)
+    spec_before = serve_client.fetch_spec_decode_counters(args.base_url, api_key)
     records, duration = asyncio.run(serve_client.run_benchmark(
         requests, base_url=args.base_url, model=model, endpoint=args.endpoint, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
         ignore_eos=args.ignore_eos, api_key=api_key, tokenizer=tokenizer, show_progress=not args.no_progress))
     summary = latency_stats.summarize(records, duration, slo)
+    spec = serve_client.spec_decode_summary(spec_before,
+                                            serve_client.fetch_spec_decode_counters(args.base_url, api_key))
+    if spec is not None:
+        summary["spec_decode"] = spec
     print(serve_client.format_summary(summary))
 
     errors = sorted({record.error for record in records if not record.success})

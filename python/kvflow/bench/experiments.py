@@ -71,6 +71,10 @@ def _engine_flags(args) -> list[str]:
         flags.append("--enforce-eager")
     if args.dequantize_weights:
         flags.append("--dequantize-weights")
+    if args.speculative_config:
+        flags += ["--speculative-config", args.speculative_config]
+    if args.batch_invariant:
+        flags.append("--batch-invariant")
     return flags
 
 

@@ -225,6 +225,54 @@ def fetch_model_id(base_url: str, api_key: str | None = None) -> str:
     return models[0]["id"]
 
 
+_SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def fetch_spec_decode_counters(base_url: str, api_key: str | None = None) -> dict | None:
+    """The server's speculative-decoding counters from GET /metrics (kvflow:spec_decode_*, summed
+    over models): {num_drafts, num_draft_tokens, num_accepted_tokens, accepted_per_position}, or
+    None where the server has none (no speculation, or no metrics)."""
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/metrics", headers=_auth_headers(api_key), timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    counters = {name: 0.0 for name in _SPEC_COUNTERS}
+    per_position: dict[int, float] = {}
+    found = False
+    for line in response.text.splitlines():
+        if not line.startswith("kvflow:spec_decode_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{")[0].removeprefix("kvflow:spec_decode_").removesuffix("_total")
+        if metric == "num_accepted_tokens_per_pos":
+            position = int(name.split('position="')[1].split('"')[0])
+            per_position[position] = per_position.get(position, 0.0) + float(value)
+        elif metric in counters:
+            counters[metric] += float(value)
+            found = True
+    if not found:
+        return None
+    counters["accepted_per_position"] = [per_position[p] for p in sorted(per_position)]
+    return counters
+
+
+def spec_decode_summary(before: dict | None, after: dict | None) -> dict | None:
+    """What the benchmark's requests drafted and accepted (after - before), as vLLM's bench
+    serve reports it: acceptance rate, acceptance length (tokens per verification, the target's
+    own included) and the acceptance rate at each draft position."""
+    if before is None or after is None:
+        return None
+    delta = {name: after[name] - before[name] for name in _SPEC_COUNTERS}
+    drafts, proposed = delta["num_drafts"], delta["num_draft_tokens"]
+    positions = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+    return {**{name: int(value) for name, value in delta.items()},
+            "acceptance_rate": delta["num_accepted_tokens"] / proposed if proposed else None,
+            "acceptance_length": 1 + delta["num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance_rate_per_position": [count / drafts for count in positions] if drafts else []}
+
+
 def wait_until_ready(base_url: str, timeout: float, interval: float = 0.5) -> None:
     """Polls GET /health, then /v1/models, until the server answers 200; TimeoutError after
     `timeout` seconds."""
@@ -268,6 +316,17 @@ def format_summary(summary: dict) -> str:
         lines.append(row("Request goodput (req/s):", summary["goodput"]))
         attainment = summary["slo_attainment"]
         lines.append(row("SLO attainment (%):", None if attainment is None else attainment * 100))
+    spec = summary.get("spec_decode")
+    if spec is not None:
+        lines.append(f"{' Speculative Decoding ':-^50}")
+        lines.append(row("Acceptance rate (%):", None if spec["acceptance_rate"] is None
+                         else spec["acceptance_rate"] * 100))
+        lines.append(row("Acceptance length:", spec["acceptance_length"]))
+        lines.append(row("Drafts:", spec["num_drafts"]))
+        lines.append(row("Draft tokens:", spec["num_draft_tokens"]))
+        lines.append(row("Accepted tokens:", spec["num_accepted_tokens"]))
+        for position, rate in enumerate(spec["acceptance_rate_per_position"]):
+            lines.append(row(f"Acceptance rate at position {position} (%):", rate * 100))
     sections = [("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st)"),
                 ("itl", "ITL", "Inter-token Latency"), ("e2e", "E2E", "End-to-end Latency")]
     for key, short, title in sections:

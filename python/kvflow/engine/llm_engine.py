@@ -113,8 +113,8 @@ class LLMEngine:
         self._step_failures = 0          # model steps that raised (each aborted its requests)
         self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
         self._grammar_compiler: StructuredOutputCompiler | None = None  # made for the first constrained request
-        self.speculator = None if config.speculative_config is None else Speculator(config.speculative_config,
-                                                                                    max_model_len)
+        self.speculator = None if config.speculative_config is None else Speculator(
+            config.speculative_config, max_model_len, "cuda" if config.on_cuda else "cpu")
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
@@ -231,7 +231,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.num_queued_samples)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self._requests:  # the scheduler guarantees a lone request progresses: this is a bug

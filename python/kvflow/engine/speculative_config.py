@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model")
 
+# Where a verification row costs a good part of a step (the CPU's quantized products are bound by
+# arithmetic from the second row on: docs/benchmarks.md), drafts pay only at the smallest batches;
+# a GPU's decode step stays bound by reading the weights for many rows more.
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 2, "cuda": 64}
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -16,6 +21,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # draft_model: the draft's checkpoint
+    # No drafts in a step while more requests than this are running or waiting (vLLM's
+    # speculative_disable_by_batch_size); None: kvflow's default for the device (DEFAULT_DISABLE_BY_BATCH_SIZE).
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -51,6 +59,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or isinstance(self.disable_by_batch_size, bool)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got "
+                             f"{self.disable_by_batch_size!r}")
         if self.num_speculative_tokens > 16:
             raise ValueError(f"speculative_config: num_speculative_tokens must be at most 16, got "
                              f"{self.num_speculative_tokens}")

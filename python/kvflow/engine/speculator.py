@@ -2,9 +2,11 @@
 that are decoding; after it, the tallies of what was accepted, per request and engine-wide, and
 the gate that turns speculation down for a request whose drafts keep failing."""
 
+import math
+
 from kvflow.engine.ngram_proposer import NgramProposer
 from kvflow.engine.sequence import Sequence
-from kvflow.engine.speculative_config import SpeculativeConfig
+from kvflow.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 # A request whose verifications accept fewer drafts than this on average (a moving average)
 # stops proposing for a while: a verification with no accepted draft costs more than a plain step.
@@ -21,6 +23,11 @@ class SpeculationGate:
         self.mean_accepted = 1.0  # optimistic: a request starts speculating
         self.paused_steps = 0
         self.next_pause = FIRST_PAUSE_STEPS
+
+    def draft_limit(self, k: int) -> int:
+        """Drafts worth proposing: one past the recent mean accepted, at most k (every draft row
+        costs compute, and one past the usual run is where acceptance tends to end)."""
+        return max(1, min(k, math.ceil(self.mean_accepted) + 1))
 
     def open(self) -> bool:
         if self.paused_steps > 0:
@@ -39,12 +46,13 @@ class SpeculationGate:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu"):
         if config.method != "ngram":
             raise ValueError(f"speculative_config: method {config.method!r} is not available in this build of "
                              "kvflow; use ngram")
         self.config = config
         self.max_model_len = max_model_len
+        self.max_batch = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device_type]
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
         self.num_drafts = 0              # verifications (steps of a request with at least one draft)
@@ -52,10 +60,13 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens  # drafts accepted at position i
 
-    def propose(self, running: list[Sequence]) -> None:
+    def propose(self, running: list[Sequence], num_waiting: int = 0) -> None:
         """Sets draft_token_ids of each running sequence that decodes this step (one new token, a
         sampled one) and has room: within max_tokens and the context, no grammar (its matcher
-        cannot look ahead), and its gate open."""
+        cannot look ahead), and its gate open; none while more than disable_by_batch_size
+        requests are running or waiting."""
+        if len(running) + num_waiting > self.max_batch:
+            return
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
                 continue
@@ -65,6 +76,7 @@ class Speculator:
             if not gate.open():
                 continue
             limit = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            limit = min(limit, gate.draft_limit(self.config.num_speculative_tokens))
             seq.draft_token_ids = self.proposer.propose(seq, limit)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:

@@ -49,6 +49,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dequantize-weights", action="store_true",
                         help="load a GGUF file's Q4_0/Q4_1/Q8_0 weights in --dtype instead of keeping them in "
                         "their blocks (more memory, slower decode)")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, vLLM\'s spelling: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="CPU: every row's logits bit-equal whatever the batch (slower; process-wide)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")

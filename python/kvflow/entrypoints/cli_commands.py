@@ -21,6 +21,7 @@ def build_engine_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, block_size=args.block_size,
                         dequantize_weights=args.dequantize_weights,
+                        speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
                         seed=args.seed if args.seed is not None else 0)
 

@@ -14,7 +14,8 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options):
         """engine_options: the EngineConfig fields (max_num_seqs, max_num_batched_tokens,
         kv_cache_memory, gpu_memory_utilization, enforce_eager, max_model_len, block_size,
-        enable_prefix_caching, threads, seed, device, dequantize_weights)."""
+        enable_prefix_caching, threads, seed, device, dequantize_weights, speculative_config (a dict
+        as vLLM spells it, e.g. {"method": "ngram", "num_speculative_tokens": 4}), batch_invariant)."""
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
