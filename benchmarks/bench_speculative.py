@@ -1,7 +1,10 @@
 """What n-gram speculative decoding gives: the same prompts through an engine without drafts and
 one with them, in turns A B A B, greedy, ratios per pair.
 
-    python benchmarks/bench_speculative.py [--rounds 3] [--k 4] [--max-tokens 96]
+    python benchmarks/bench_speculative.py [--rounds 3] [--k 4] [--max-tokens 96] [--draft-model]
+
+--draft-model: the embedded model's quantized weights draft for its dequantized ones (both
+engines then run the dequantized target; the quantized default's TPOT is printed beside them).
 
 Workloads (benchmarks/data/speculative_prompts.json, in the model's chat template):
   grounded  answers that repeat spans of the prompt: copy or summarise a text, edit code and
@@ -47,10 +50,16 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--draft-model", action="store_true")
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    engines = {"plain": LLM(dtype=args.dtype, enable_prefix_caching=False),
-               "ngram": LLM(dtype=args.dtype, enable_prefix_caching=False, speculative_config=spec)}
+    if args.draft_model:
+        spec = {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": args.k}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    options = dict(dtype=args.dtype, enable_prefix_caching=False, dequantize_weights=args.draft_model)
+    engines = {"plain": LLM(**options), "ngram": LLM(**options, speculative_config=spec)}
+    if args.draft_model:
+        engines["quantized"] = LLM(dtype=args.dtype, enable_prefix_caching=False)
     tokenizer = engines["plain"].tokenizer
     texts = json.loads(PROMPTS.read_text())
     prompts = {kind: [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts[kind]]
@@ -70,6 +79,9 @@ def main() -> None:
                 outputs = at_concurrency(llm, batch, params, concurrency)
                 got[label] = (tpot_ms(outputs), outputs)
             ratio = got["plain"][0] / got["ngram"][0]
+            if "quantized" in got:
+                print(f"round {round_index}: {name}: TPOT of the quantized default {got['quantized'][0]:.2f} ms "
+                      f"({got['quantized'][0] / got['ngram'][0]:.2f}x the speculative dequantized target's)")
             accepted = [o.metrics.acceptance_rate for o in got["ngram"][1] if o.metrics.acceptance_rate is not None]
             length = [o.metrics.mean_accepted_length for o in got["ngram"][1]
                       if o.metrics.mean_accepted_length is not None]
@@ -77,18 +89,19 @@ def main() -> None:
                 agree["same"] += a.outputs[0].token_ids == b.outputs[0].token_ids
                 agree["total"] += 1
             results[name].append(ratio)
-            print(f"round {round_index}: {name}: TPOT plain {got['plain'][0]:.2f} ms, ngram {got['ngram'][0]:.2f} ms "
+            print(f"round {round_index}: {name}: TPOT plain {got['plain'][0]:.2f} ms, {spec['method']} "
+                  f"{got['ngram'][0]:.2f} ms "
                   f"-> {ratio:.2f}x; acceptance {statistics.mean(accepted) if accepted else 0:.2f}, "
                   f"tokens per verification {statistics.mean(length) if length else 0:.2f}", flush=True)
         rates = {}
-        for label, llm in engines.items():
+        for label, llm in list(engines.items())[:2]:
             start = time.perf_counter()
             outputs = llm.generate(mixed, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             rates[label] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
         ratio = rates["ngram"] / rates["plain"]
         results["offline, 64 requests"].append(ratio)
-        print(f"round {round_index}: offline, 64 requests: plain {rates['plain']:.1f} tok/s, ngram "
+        print(f"round {round_index}: offline, 64 requests: plain {rates['plain']:.1f} tok/s, {spec['method']} "
               f"{rates['ngram']:.1f} tok/s -> {ratio:.2f}x", flush=True)
     print("\nmedian ratio over rounds (above 1: speculation faster)")
     for name, ratios in results.items():

@@ -223,9 +223,42 @@ def test_drafts_stop_above_disable_by_batch_size():
     assert all(out.metrics.num_draft_tokens > 0 for out in outputs[1:])
 
 
-def test_draft_model_is_refused_clearly():
-    with pytest.raises(ValueError, match="draft_model.*not available"):
-        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+def test_draft_model_quantized_drafts_for_dequantized_target():
+    """The embedded model's Q4_1/Q8_0 weights draft for its dequantized weights (batch-invariant,
+    float32): the target's greedy tokens are unchanged, most drafts are accepted, and every block
+    (holding both models' keys and values) is free afterwards."""
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    plain = make_llm("float32", False, batch_invariant=True, dequantize_weights=True)
+    prompts = prompts_of(plain)[:3]
+    reference = run(plain, prompts, greedy)
+    del plain
+    draft = {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "num_speculative_tokens": 3,
+             "disable_by_batch_size": 64}
+    llm = LLM(dtype="float32", block_size=BLOCK_SIZE, batch_invariant=True, dequantize_weights=True,
+              speculative_config=draft)
+    outputs = run(llm, prompts, greedy)
+    assert_same(reference, outputs)
+    stats = llm.engine.stats()["spec_decode"]
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.5, stats
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_clear_error(tmp_path):
+    """A Llama checkpoint of 1000 tokens (the embedded tokenizer beside it) cannot draft for the
+    embedded model's 49152."""
+    import os
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvflow.loader.model_loader import resolve_model_path
+
+    gguf = resolve_model_path(None)
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(tmp_path)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="another vocabulary than the target's \\(1000 tokens against 49152"):
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                                 "num_speculative_tokens": 2})
 
 
 def test_prometheus_counters_have_vllms_names():
@@ -243,3 +276,40 @@ def test_prometheus_counters_have_vllms_names():
         assert f'kvflow:{name}_total{{model_name="m"}} {float(value)}' in text
     assert f'kvflow:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
            f'{float(stats["accepted_per_position"][0])}' in text
+
+
+def test_server_with_drafts_answers_as_the_plain_engine_and_reports_them():
+    """A server on a speculative engine (batch-invariant, float32): a greedy completion, streamed
+    and not, has the plain engine's text; bench serve's reading of /metrics counts the drafts the
+    requests made."""
+    import httpx
+    from conftest import running_server
+
+    from kvflow.bench import serve_client
+    from kvflow.engine.async_engine import AsyncLLMEngine
+    from kvflow.entrypoints.openai.api_server import build_app
+
+    prompt = "Repeat this text exactly:\n\n" + _TEXT + "\n\nRepeated:\n"
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    plain = make_llm("float32", False, batch_invariant=True)
+    expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text
+    del plain
+    llm = make_llm("float32", True, batch_invariant=True)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    with running_server(build_app(AsyncLLMEngine(llm.engine), "m")) as url:
+        before = serve_client.fetch_spec_decode_counters(url)
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=120) as response:
+            streamed = "".join(__import__("json").loads(line[6:])["choices"][0]["text"]
+                               for line in response.iter_lines() if line.startswith("data: {"))
+        summary = serve_client.spec_decode_summary(before, serve_client.fetch_spec_decode_counters(url))
+    assert answer["choices"][0]["text"] == expected
+    assert streamed == expected
+    assert summary["num_draft_tokens"] > 0 and summary["acceptance_length"] > 1
+    text = serve_client.format_summary({"completed": 1, "failed": 0, "duration": 1.0, "total_input_tokens": 1,
+                                        "total_output_tokens": 1, "request_throughput": 1.0,
+                                        "output_throughput": 1.0, "total_token_throughput": 1.0,
+                                        "spec_decode": summary, **{f"{s}_{k}_ms": 1.0 for k in
+                                                                   ("ttft", "tpot", "itl", "e2e")
+                                                                   for s in ("mean", "p50", "p95", "p99")}})
+    assert "Acceptance rate at position 0" in text

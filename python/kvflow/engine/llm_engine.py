@@ -15,6 +15,7 @@ from kvflow import platform
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kvflow.engine.cpu_threads import CpuThreadGovernor
+from kvflow.engine.draft_proposer import DraftModelProposer
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -90,7 +91,11 @@ class LLMEngine:
             kv_cache_memory = CPU_KV_CACHE_MEMORY if not config.on_cuda else cuda_kv_cache_budget(
                 loaded.model, loaded.config, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
                 max_model_len, config.gpu_memory_utilization, config.device)
-        num_blocks = kv_cache_memory // kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
+        draft = self._load_draft(loaded) if config.speculative_config is not None else None
+        bytes_per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
+        if draft is not None:  # the draft's keys and values live in the same blocks
+            bytes_per_block += kv_cache_bytes_per_block(draft.config, config.block_size, config.torch_dtype)
+        num_blocks = kv_cache_memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {kv_cache_memory} bytes holds no KV block")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.device,
@@ -113,11 +118,33 @@ class LLMEngine:
         self._step_failures = 0          # model steps that raised (each aborted its requests)
         self._finished_requests: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}  # by finish reason
         self._grammar_compiler: StructuredOutputCompiler | None = None  # made for the first constrained request
-        self.speculator = None if config.speculative_config is None else Speculator(
-            config.speculative_config, max_model_len, "cuda" if config.on_cuda else "cpu")
+        self.speculator = None
+        if config.speculative_config is not None:
+            proposer = None if draft is None else DraftModelProposer(
+                draft.model, draft.config, num_blocks, config.block_size, config.device, self.allocator,
+                config.speculative_config.num_speculative_tokens)
+            self.speculator = Speculator(config.speculative_config, max_model_len,
+                                         "cuda" if config.on_cuda else "cpu", proposer)
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
+
+    def _load_draft(self, target):
+        """speculative_config's draft model (None for other methods), in the target's dtype and on
+        its device, its GGUF weights kept in their blocks. ValueError where its vocabulary is not
+        the target's: its tokens would mean other text."""
+        spec = self.config.speculative_config
+        if spec.method != "draft_model":
+            return None
+        draft = load_model(spec.model, self.config.torch_dtype, self.config.device, False, self.config.max_model_len)
+        probe = "Speculative decoding, 1 2 3: naïve café?"
+        if (draft.config.vocab_size != target.config.vocab_size
+                or draft.tokenizer.encode(probe) != target.tokenizer.encode(probe)):
+            raise ValueError(f"speculative_config: the draft model {draft.path} has another vocabulary than the "
+                             f"target's ({draft.config.vocab_size} tokens against {target.config.vocab_size}, or "
+                             "other token ids for the same text): its drafts would mean other text")
+        logger.info("kvflow draft model: %s loaded in %.2f s", draft.path, draft.load_seconds)
+        return draft
 
     @property
     def max_model_len(self) -> int:

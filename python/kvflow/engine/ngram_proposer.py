@@ -27,7 +27,12 @@ class NgramProposer:
         self.num_tokens = num_tokens
         self.sizes = range(max_n, min_n - 1, -1)  # longest first
 
-    def propose(self, seq: Sequence, limit: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        """Sets each sequence's draft_token_ids (see propose_one)."""
+        for seq, limit in zip(seqs, limits):
+            seq.draft_token_ids = self.propose_one(seq, limit)
+
+    def propose_one(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(num_tokens, limit) draft tokens to follow seq's last token; [] when its last
         n tokens never occurred before."""
         count = min(self.num_tokens, limit)

@@ -7,6 +7,7 @@ import math
 from kvflow.engine.ngram_proposer import NgramProposer
 from kvflow.engine.sequence import Sequence
 from kvflow.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from kvflow.ops.linear import SMALL_LINEAR_MAX_ROWS
 
 # A request whose verifications accept fewer drafts than this on average (a moving average)
 # stops proposing for a while: a verification with no accepted draft costs more than a plain step.
@@ -46,15 +47,20 @@ class SpeculationGate:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu"):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not available in this build of "
-                             "kvflow; use ngram")
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu", proposer=None):
+        """proposer: the draft model's (draft_proposer.DraftModelProposer) for method draft_model;
+        n-gram lookup is made here."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE[device_type]
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        # On the CPU a step of up to SMALL_LINEAR_MAX_ROWS rows runs in a program of exactly its
+        # size; one row more pads it to the next class of 8 (cpu_programs.program_batch_size).
+        self.max_step_rows = SMALL_LINEAR_MAX_ROWS if device_type == "cpu" else None
+        if config.method == "ngram":
+            proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        elif proposer is None:
+            raise ValueError(f"speculative_config: method {config.method!r} needs its proposer")
+        self.proposer = proposer
         self.num_drafts = 0              # verifications (steps of a request with at least one draft)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -67,7 +73,11 @@ class Speculator:
         requests are running or waiting."""
         if len(running) + num_waiting > self.max_batch:
             return
+        spare_rows = None if self.max_step_rows is None else self.max_step_rows - len(running)
+        seqs, limits = [], []
         for seq in running:
+            if spare_rows is not None and spare_rows <= 0:
+                break
             if seq.num_uncomputed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
                 continue
             gate = seq.speculation
@@ -77,7 +87,14 @@ class Speculator:
                 continue
             limit = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             limit = min(limit, gate.draft_limit(self.config.num_speculative_tokens))
-            seq.draft_token_ids = self.proposer.propose(seq, limit)
+            if spare_rows is not None:
+                limit = min(limit, spare_rows)
+                spare_rows -= max(limit, 0)
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if seqs:
+            self.proposer.propose(seqs, limits)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of `drafted` draft tokens of seq, `accepted` of them accepted."""
