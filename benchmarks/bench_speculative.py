@@ -23,18 +23,11 @@ import statistics
 import time
 from pathlib import Path
 
+from timing import tpot_ms
+
 from kvflow import LLM, SamplingParams
 
 PROMPTS = Path(__file__).parent / "data" / "speculative_prompts.json"
-
-
-def tpot_ms(outputs) -> float:
-    per_request = []
-    for out in outputs:
-        times = out.metrics.token_times
-        if len(times) > 1:
-            per_request.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
-    return statistics.mean(per_request)
 
 
 def at_concurrency(llm: LLM, prompts: list[str], params: SamplingParams, concurrency: int) -> list:

@@ -14,6 +14,8 @@ import argparse
 import statistics
 import time
 
+from timing import tpot_ms
+
 from kvflow import LLM, SamplingParams, StructuredOutputsParams
 
 # A schema whose instances run long: an array of records.
@@ -37,15 +39,6 @@ SCHEMA = {
     "required": ["people"],
     "additionalProperties": False,
 }
-
-
-def tpot_ms(outputs) -> float:
-    per_request = []
-    for out in outputs:
-        times = out.metrics.token_times
-        if len(times) > 1:
-            per_request.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
-    return statistics.mean(per_request)
 
 
 def main() -> None:

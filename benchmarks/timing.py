@@ -37,3 +37,14 @@ def write_markdown(path: str | None, lines: list[str]) -> None:
     if path:
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def tpot_ms(outputs) -> float:
+    """Each request's mean time between its output tokens (its first excluded), in ms, averaged
+    over the requests of RequestOutputs that have two tokens or more."""
+    per_request = []
+    for out in outputs:
+        times = out.metrics.token_times
+        if len(times) > 1:
+            per_request.append((times[-1] - times[0]) / (len(times) - 1) * 1e3)
+    return statistics.mean(per_request)

@@ -17,7 +17,7 @@ from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kvflow.engine.cpu_threads import CpuThreadGovernor
 from kvflow.engine.draft_proposer import DraftModelProposer
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
-from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
+from kvflow.engine.model_runner import ModelRunner, SampledToken, ScheduledRequest
 from kvflow.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, check_int, check_text
 from kvflow.engine.scheduler import Scheduler, SchedulerConfig
@@ -314,24 +314,16 @@ class LLMEngine:
             if s.num_draft_tokens:
                 s.num_accepted_tokens = len(tokens) - 1
                 self.speculator.record(seq, s.num_draft_tokens, s.num_accepted_tokens)
-            sample = self._requests[seq.request_id].samples[seq.index]
-            for token in tokens:
-                seq.output_token_ids.append(token.token_id)
-                seq.times.token_times.append(now)
-                if sample.logprobs is not None:
-                    entry = {token.token_id: token.logprob}
-                    entry.update({t: lp for t, lp in token.top_logprobs or []})
-                    sample.logprobs.append(entry)
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            advanced.append((sample, len(tokens)))
+            advanced.append((self._requests[seq.request_id].samples[seq.index], tokens))
         self.scheduler.on_step_done(plan.scheduled)
         touched: dict[str, _Request] = {}
-        for sample, count in advanced:
+        for sample, tokens in advanced:
             request = self._requests[sample.seq.request_id]
             if sample.seq.index == 0 and request.unforked:
                 self._fork(request)
-            self._advance(sample, now, count)
+            self._advance(sample, now, tokens)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()
                    if request.finished or request.samples[0].seq.params.output_kind == "cumulative"]
@@ -351,23 +343,17 @@ class LLMEngine:
         self._unforked_samples -= len(request.unforked)
         request.unforked = []
 
-    def _advance(self, sample: _Sample, now: float, count: int = 1) -> None:
-        """Detokenizes the sample's `count` new tokens (the last of its output) one by one and
-        applies the stop conditions after each; the tokens after one that ends the sample are
-        dropped."""
+    def _advance(self, sample: _Sample, now: float, tokens: list[SampledToken]) -> None:
+        """Appends the sample's new tokens one by one, detokenizing each and applying the stop
+        conditions after it; the tokens after one that ends the sample are dropped."""
         seq = sample.seq
-        first = len(seq.output_token_ids) - count
-        new_tokens = seq.output_token_ids[first:]
-        del seq.output_token_ids[first:]
-        del seq.times.token_times[first:]
-        if sample.logprobs is not None:
-            new_logprobs = sample.logprobs[first:]
-            del sample.logprobs[first:]
-        for i, token in enumerate(new_tokens):
-            seq.output_token_ids.append(token)
+        for token in tokens:
+            seq.output_token_ids.append(token.token_id)
             seq.times.token_times.append(now)
             if sample.logprobs is not None:
-                sample.logprobs.append(new_logprobs[i])
+                entry = {token.token_id: token.logprob}
+                entry.update({t: lp for t, lp in token.top_logprobs or []})
+                sample.logprobs.append(entry)
             self._generated_tokens += 1
             self._advance_one(sample, now)
             if seq.status.finished:
