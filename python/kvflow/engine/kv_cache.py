@@ -8,7 +8,7 @@ from kvflow.models.config import ModelConfig
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * config.num_layers * block_size * config.num_local_kv_heads * config.head_dim * element
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -16,7 +16,7 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
     """Per layer (key_cache, value_cache), each [num_blocks, block_size, kv_heads, head_dim]."""
     if num_blocks < 1:
         raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}")
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (num_blocks, block_size, config.num_local_kv_heads, config.head_dim)
     if torch.device(device).type == "cpu":  # attention reads blocks all over the pool: spare the TLB
         tensors = empty_in_huge_pages([shape] * (2 * config.num_layers), dtype)
         return [(tensors[2 * i], tensors[2 * i + 1]) for i in range(config.num_layers)]

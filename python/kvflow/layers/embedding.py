@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from kvflow.layers.linear import PackedWeight, quantized_parameter
+from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.ops.linear import takes_small_linear
 
 
@@ -12,17 +13,43 @@ class VocabEmbedding(nn.Module):
     After hold_quantized, the table stays in a GGUF file's blocks and each looked-up row is
     dequantized on the way out (quantized_embedding)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, scale: float = 1.0):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None, scale: float = 1.0,
+                 parallel: TensorParallel = SINGLE_RANK):
+        """parallel: over several ranks each holds its rows of the vocabulary (parallel.vocab), and
+        a token's embedding comes from the rank that holds it, summed over the ranks."""
         super().__init__()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.parallel = parallel
+        self.shard = parallel.vocab(vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard.size, hidden_size, dtype=dtype), requires_grad=False)
         self.scale = float(scale)
         self.ggml_type: int | None = None
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [num_tokens] int64 -> [num_tokens, hidden_size]."""
+        if self.parallel.size == 1:
+            return self._lookup(token_ids)
+        local = token_ids - self.shard.start
+        held = (local >= 0) & (local < self.shard.total - self.shard.start)
+        out = self._lookup(torch.where(held, local, 0))
+        out.mul_(held.unsqueeze(1).to(out.dtype))
+        return self.parallel.all_reduce_(out)
+
+    def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the checkpoint's table, padded with zero rows to the shard's size."""
+        shard = self.shard
+        if shard.size == shard.total:
+            return tensor
+        if tensor.shape[0] != shard.total:
+            raise ValueError(f"checkpoint table has {tensor.shape[0]} rows, the model's vocabulary {shard.total}")
+        rows = tensor.narrow(0, shard.start, min(shard.size, shard.total - shard.start))
+        if rows.shape[0] == shard.size:
+            return rows
+        return torch.cat([rows, rows.new_zeros((shard.size - rows.shape[0], *rows.shape[1:]))])
+
+    def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.ggml_type is not None:
             out = torch.empty((token_ids.shape[0], self.hidden_size), dtype=self.dtype, device=self.weight.device)
             torch.ops.kvflow.quantized_embedding(out, token_ids, self.weight, self.ggml_type, self.scale)
@@ -49,13 +76,20 @@ class LMHead(nn.Module):
     in GGUF blocks (its own, or the tied embedding's) goes to quantized_linear at any row count."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
-                 tied_to: VocabEmbedding | None = None):
+                 tied_to: VocabEmbedding | None = None, parallel: TensorParallel = SINGLE_RANK):
+        """parallel: over several ranks each computes the logits of its rows of the vocabulary
+        (as VocabEmbedding holds them), gathered into the whole row on every rank."""
         super().__init__()
         self.tied_to = tied_to
+        self.vocab_size = vocab_size
+        self.parallel = parallel
+        self.shard = parallel.vocab(vocab_size)
         self.packed_weight: PackedWeight | None = None  # as Linear.packed_weight
         self.own_ggml_type: int | None = None  # see hold_quantized()
         if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+            self.weight = nn.Parameter(torch.zeros(self.shard.size, hidden_size, dtype=dtype), requires_grad=False)
+
+    checkpoint_shard = VocabEmbedding.checkpoint_shard
 
     @property
     def ggml_type(self) -> int | None:
@@ -63,6 +97,11 @@ class LMHead(nn.Module):
         return self.tied_to.ggml_type if self.tied_to is not None else self.own_ggml_type
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return self._local_logits(hidden)
+        return self.parallel.all_gather(self._local_logits(hidden))[:, :self.vocab_size]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         rows = hidden.shape[0]
         ggml_type = self.ggml_type

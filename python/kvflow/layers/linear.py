@@ -6,6 +6,7 @@ from torch import nn
 
 from kvflow import ops
 from kvflow.layers.activation import GatedActivation
+from kvflow.layers.tensor_parallel import SINGLE_RANK, Shard, TensorParallel
 from kvflow.ops.linear import takes_small_linear
 from kvflow.ops.quantized import BLOCK_VALUES, INTERLEAVED_ROWS, INTERLEAVED_TYPES, interleave_rows, quantized_row_bytes
 
@@ -88,6 +89,11 @@ class Linear(nn.Module):
             return self.packed_weight.matmul(x, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
+    def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of checkpoint tensor `kind` ("weight" or "bias") this layer holds: all of it
+        here; a tensor-parallel layer's own rows or columns in its subclasses."""
+        return tensor
+
     def prepack(self) -> bool:
         """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
         weight stays for small_linear, so this doubles the weight's memory. False where the
@@ -120,11 +126,17 @@ class Linear(nn.Module):
 
 class MergedLinear(Linear):
     """Several projections of the same input, stacked along the output: part i owns rows
-    [offsets[i], offsets[i + 1]) of the weight."""
+    [offsets[i], offsets[i + 1]) of the weight. Column-parallel (tensor parallelism): part i
+    holds rows shards[i] of its checkpoint tensor (a rank's heads or features), each part_sizes[i]
+    = shards[i].size rows."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None,
+                 shards: list[Shard] | None = None):
         super().__init__(in_features, sum(part_sizes), bias, dtype)
         self.part_sizes = list(part_sizes)
+        self.shards = shards
+        if shards is not None and [shard.size for shard in shards] != self.part_sizes:
+            raise ValueError(f"merged linear: shards {shards} do not match part sizes {part_sizes}")
         self.offsets = [0]
         for size in part_sizes:
             self.offsets.append(self.offsets[-1] + size)
@@ -133,11 +145,29 @@ class MergedLinear(Linear):
         """Part `part`'s weight and/or bias (a checkpoint stores them as separate tensors)."""
         rows = slice(self.offsets[part], self.offsets[part + 1])
         if weight is not None:
-            copy_checked(self.weight[rows], weight, f"part {part} weight")
+            copy_checked(self.weight[rows], self._part_rows(part, weight, "weight"), f"part {part} weight")
         if bias is not None:
             if self.bias is None:
                 raise ValueError(f"checkpoint has a bias for part {part} of a merged linear without one")
-            copy_checked(self.bias[rows], bias, f"part {part} bias")
+            copy_checked(self.bias[rows], self._part_rows(part, bias, "bias"), f"part {part} bias")
+
+    def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's fused tensor (Phi-3's qkv_proj): each part's shard of it, stacked."""
+        if self.shards is None:
+            return tensor
+        parts, start = [], 0
+        for part, shard in enumerate(self.shards):
+            parts.append(self._part_rows(part, tensor.narrow(0, start, min(shard.total, tensor.shape[0] - start)), kind))
+            start += shard.total
+        return torch.cat(parts)
+
+    def _part_rows(self, part: int, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        shard = None if self.shards is None else self.shards[part]
+        if shard is None or tensor.shape[0] == shard.size == shard.total:
+            return tensor
+        if tensor.shape[0] != shard.total:
+            raise ValueError(f"part {part} {kind}: checkpoint has {tensor.shape[0]} rows, the model {shard.total}")
+        return tensor.narrow(0, shard.start, shard.size)
 
 
 class GateUpLinear(MergedLinear):
@@ -147,8 +177,10 @@ class GateUpLinear(MergedLinear):
     epilogue, so the [rows, 2d] product is never written out and read back."""
 
     def __init__(self, in_features: int, intermediate_size: int, bias: bool = False, hidden_act: str = "silu",
-                 dtype: torch.dtype | None = None):
-        super().__init__(in_features, [intermediate_size] * 2, bias=bias, dtype=dtype)
+                 dtype: torch.dtype | None = None, shard: Shard | None = None):
+        """shard: this rank's features of the checkpoint's gate and up (tensor parallelism)."""
+        super().__init__(in_features, [intermediate_size] * 2, bias=bias, dtype=dtype,
+                         shards=None if shard is None else [shard, shard])
         self.intermediate_size = intermediate_size
         self.act = GatedActivation(hidden_act)
 
@@ -176,6 +208,59 @@ class GateUpLinear(MergedLinear):
         """As Linear.prepack; packed for the SiLU epilogue where that is the whole computation."""
         self.packed_weight = PackedWeight.of(self.weight, gate_up=self.plain_silu)
         return self.packed_weight is not None
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the ranks (o_proj, down_proj under tensor
+    parallelism): each rank multiplies its columns, shard, of the weight by its part of the input,
+    and one all-reduce sums the partial products. The partial sums stay in float32 through the
+    reduction, whatever the activations' dtype, and the bias is added once, after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 shard: Shard | None = None, parallel: TensorParallel = SINGLE_RANK):
+        super().__init__(in_features, out_features, bias, dtype)
+        self.shard = shard
+        self.parallel = parallel
+        if shard is not None and shard.size != in_features:
+            raise ValueError(f"row-parallel linear: shard {shard} for {in_features} input features")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return super().forward(x)
+        partial = self._partial_product(x)
+        self.parallel.all_reduce_(partial)
+        if self.bias is not None:
+            partial.add_(self.bias)
+        return partial if partial.dtype == x.dtype else partial.to(x.dtype)
+
+    __call__ = forward
+
+    def _partial_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ this rank's columns.T as float32, without the bias."""
+        rows = x.shape[0]
+        if self.ggml_type is not None:
+            out = x.new_empty((rows, self.out_features), dtype=torch.float32)
+            torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, None)
+            return out
+        if x.is_cpu and takes_small_linear(rows) and x.dim() == 2:
+            out = x.new_empty((rows, self.out_features), dtype=torch.float32)
+            torch.ops.kvflow.small_linear(out, x, self.weight, None)
+            return out
+        if self.packed_weight is not None and x.dim() == 2:
+            return self.packed_weight.matmul(x, out_dtype=torch.float32)
+        return torch.nn.functional.linear(x, self.weight).float()
+
+    def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The weight's columns of this rank's input features (whole blocks of a quantized one);
+        the bias whole."""
+        if kind != "weight" or self.shard is None or self.shard.size == self.shard.total:
+            return tensor
+        if tensor.dtype == torch.uint8:  # GGUF blocks: the shard starts and ends on block boundaries
+            start = quantized_row_bytes(self.shard.start, self.ggml_type)
+            return tensor.narrow(1, start, quantized_row_bytes(self.shard.size, self.ggml_type))
+        if tensor.shape[1] != self.shard.total:
+            raise ValueError(f"checkpoint weight has {tensor.shape[1]} input features, the model {self.shard.total}")
+        return tensor.narrow(1, self.shard.start, self.shard.size)
 
 
 def copy_checked(destination: torch.Tensor, source: torch.Tensor, what: str) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvflow.layers.activation import GATED_ACTIVATION_OPS
+from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.ops.rope import SUPPORTED_ROPE_SCALING
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)  # the paged attention kernels' compiled sizes
@@ -48,6 +49,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    parallel: TensorParallel = SINGLE_RANK  # this rank's cut of the model (see with_tensor_parallel)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,6 +86,21 @@ class ModelConfig:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         return replace(self, max_position_embeddings=max_model_len)
+
+    def with_tensor_parallel(self, parallel: TensorParallel) -> "ModelConfig":
+        """This config for one rank of parallel.size: a ValueError naming the count when the
+        ranks cannot share the attention heads, the KV heads (fewer KV heads than ranks are
+        replicated when the ranks divide evenly among them) or the MLP's features."""
+        if parallel.size > 1:
+            parallel.split(self.num_heads, "num_attention_heads")
+            parallel.kv_heads(self.num_kv_heads)
+            parallel.split(self.intermediate_size, "intermediate_size")
+        return replace(self, parallel=parallel)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds."""
+        return self.parallel.kv_heads(self.num_kv_heads).size
 
     def sliding_window_of(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: the whole context)."""

@@ -12,7 +12,8 @@ from torch import nn
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.layers import (GateUpLinear, LMHead, Linear, MergedLinear, PagedAttention, RMSNorm, RotaryEmbedding,
                            VocabEmbedding)
-from kvflow.layers.linear import copy_checked
+from kvflow.layers.linear import RowParallelLinear, copy_checked
+from kvflow.layers.tensor_parallel import Shard
 from kvflow.models.config import ModelConfig
 from kvflow.ops.sampling import scale_logits
 
@@ -26,13 +27,19 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype,
                  sliding_window: int | None):
         super().__init__()
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        parallel, head_dim = config.parallel, config.head_dim
+        heads = parallel.split(config.num_heads, "num_attention_heads")  # this rank's (all of them at one rank)
+        kv_heads = parallel.kv_heads(config.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.size, kv_heads.size
+        self.q_size = heads.size * head_dim
+        self.kv_size = kv_heads.size * head_dim
+        q_rows, kv_rows = (Shard(s.start * head_dim, s.size * head_dim, s.total * head_dim) for s in (heads, kv_heads))
         self.qkv_proj = MergedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     bias=config.attention_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype)
+                                     bias=config.attention_bias, dtype=dtype, shards=[q_rows, kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype,
+                                        shard=q_rows, parallel=parallel)
         self.rotary = rotary
-        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+        self.attn = PagedAttention(heads.size, kv_heads.size, config.head_dim,
                                    scale=config.head_dim ** -0.5 if config.attention_scale is None else config.attention_scale,
                                    sliding_window=sliding_window, logits_soft_cap=config.attention_logit_soft_cap)
 
@@ -49,9 +56,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
-                                         hidden_act=config.hidden_act, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+        features = config.parallel.split(config.intermediate_size, "intermediate_size")
+        self.gate_up_proj = GateUpLinear(config.hidden_size, features.size, bias=config.mlp_bias,
+                                         hidden_act=config.hidden_act, dtype=dtype, shard=features)
+        self.down_proj = RowParallelLinear(features.size, config.hidden_size, bias=config.mlp_bias, dtype=dtype,
+                                           shard=features, parallel=config.parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.activated(hidden))
@@ -91,6 +100,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_class = LlamaDecoderLayer
     scales_embedding = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
+    supports_tensor_parallel = True
+    supports_tensor_parallel_reason = ""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -98,8 +109,11 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                  config.rope_scaling, config.rope_freq_factors, rotary_dim=config.rotary_dim)
+        if config.parallel.size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(f"{config.architecture} has no tensor-parallel version in kvflow: "
+                             f"{self.supports_tensor_parallel_reason}")
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                           scale=self.embedding_scale(config, dtype))
+                                           scale=self.embedding_scale(config, dtype), parallel=config.parallel)
         local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.local_rope_theta, rotary_dim=config.rotary_dim)
         self.layers = nn.ModuleList(
@@ -108,7 +122,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                             weight_offset=self.layer_class.norm_weight_offset)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
-                              tied_to=self.embed_tokens if config.tie_word_embeddings else None)
+                              tied_to=self.embed_tokens if config.tie_word_embeddings else None,
+                              parallel=config.parallel)
 
     def embedding_scale(self, config: ModelConfig, dtype: torch.dtype) -> float:
         if self.scales_embedding:  # rounded to the dtype first, as Gemma computes it
@@ -210,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
                     parameter = getattr(self._module(modules, module_name, name), kind, None)
                     if not isinstance(parameter, nn.Parameter):
                         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-                    copy_checked(parameter, tensor, f"checkpoint tensor {name!r}")
+                    shard = getattr(modules[module_name], "checkpoint_shard", None)
+                    copy_checked(parameter, tensor if shard is None else shard(kind, tensor),
+                                 f"checkpoint tensor {name!r}")
                     loaded.add(name)
                     module = modules[module_name]
                     if isinstance(module, MergedLinear):  # stored fused (Phi-3's qkv_proj, gate_up_proj)

@@ -51,6 +51,8 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     layer_class = Olmo2DecoderLayer
+    supports_tensor_parallel = False
+    supports_tensor_parallel_reason = "its q and k norms span all heads, which the ranks hold in parts"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:

@@ -16,7 +16,7 @@ class Qwen3Attention(LlamaAttention):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None, dtype: torch.dtype,
                  sliding_window: int | None):
         super().__init__(config, rotary, dtype, sliding_window)
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.head_dim = config.head_dim  # num_heads and num_kv_heads: this rank's (LlamaAttention)
         offset = self.qk_norm_weight_offset
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, weight_offset=offset)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, weight_offset=offset)
