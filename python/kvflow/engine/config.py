@@ -33,6 +33,9 @@ class EngineConfig:
     dequantize_weights: bool = False      # a GGUF file's quantized weights in dtype instead of their
                                           # blocks (types kvflow has no kernels for are dequantized always)
     speculative_config: SpeculativeConfig | dict | str | None = None  # vLLM's spelling; see speculative_config.py
+    tensor_parallel_size: int = 1         # ranks the model is split over (torchrun's, or spawned here)
+    tensor_parallel_timeout: float = 60.0 # seconds a rank waits for the others inside a step before
+                                          # the step fails and the engine stops (a rank died or hangs)
     batch_invariant: bool = False         # CPU: each row's logits bit-equal at any batch size, slower
                                           # (process-wide: kvflow.platform.set_batch_invariant)
 
@@ -48,6 +51,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size % 16:
             raise ValueError(f"block_size must be a multiple of 16 (the CPU attention kernel's), got {self.block_size}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be positive seconds, got {self.tensor_parallel_timeout}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
 

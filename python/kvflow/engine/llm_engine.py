@@ -15,6 +15,9 @@ from kvflow import platform
 from kvflow._C import BlockAllocator
 from kvflow.engine.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from kvflow.engine.cpu_threads import CpuThreadGovernor
+from kvflow.engine.distributed.rank_group import RankGroup, TensorParallelError
+from kvflow.engine.distributed.step_plan import RankReport, ReportRequest, Stop
+from kvflow.engine.distributed.worker import rank_report, start_rank_group
 from kvflow.engine.draft_proposer import DraftModelProposer
 from kvflow.engine.kv_cache import cuda_kv_cache_budget, kv_cache_bytes_per_block
 from kvflow.engine.model_runner import ModelRunner, SampledToken, ScheduledRequest
@@ -25,12 +28,17 @@ from kvflow.engine.sequence import Sequence, SequenceStatus
 from kvflow.engine.speculator import Speculator
 from kvflow.engine.stop_strings import StopStringMatcher
 from kvflow.engine.structured_output import StructuredOutputCompiler
+from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader import load_model
 from kvflow.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("kvflow")
 
 MAX_CUDA_GRAPH_BATCH = 256  # larger decode batches run eagerly: launch overhead matters less there
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can run no more steps (a tensor-parallel rank died or hung); the reason says why."""
 
 
 @dataclass
@@ -64,6 +72,32 @@ def sample_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
+def load_engine_model(config: EngineConfig, parallel: TensorParallel, device: torch.device):
+    """The engine's model (this rank's shard of it) as config says."""
+    return load_model(config.model, config.torch_dtype, device, config.cpu_prepack_weights, config.max_model_len,
+                      cpu_reserved_bytes=config.kv_cache_memory or CPU_KV_CACHE_MEMORY,
+                      dequantize_weights=config.dequantize_weights, parallel=parallel)
+
+
+def num_kv_blocks(config: EngineConfig, loaded, draft, device: torch.device) -> int:
+    """KV blocks in kv_cache_memory (by default 1 GiB on the CPU, and on CUDA what
+    gpu_memory_utilization leaves), a draft model's keys and values in the same blocks."""
+    context = loaded.config.max_position_embeddings
+    max_model_len = min(config.max_model_len or context, context)
+    kv_cache_memory = config.kv_cache_memory
+    if kv_cache_memory is None:
+        kv_cache_memory = CPU_KV_CACHE_MEMORY if device.type != "cuda" else cuda_kv_cache_budget(
+            loaded.model, loaded.config, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+            max_model_len, config.gpu_memory_utilization, device)
+    bytes_per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
+    if draft is not None:
+        bytes_per_block += kv_cache_bytes_per_block(draft.config, config.block_size, config.torch_dtype)
+    num_blocks = kv_cache_memory // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory of {kv_cache_memory} bytes holds no KV block")
+    return num_blocks
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -73,36 +107,45 @@ class LLMEngine:
             platform.set_batch_invariant(config.batch_invariant)
         elif config.batch_invariant:
             raise ValueError("batch_invariant is a CPU mode: the CUDA kernels have none")
+        if config.tensor_parallel_size > 1 and config.speculative_config is not None \
+                and config.speculative_config.method == "draft_model":
+            raise ValueError("speculative_config: a draft model does not run with tensor_parallel_size > 1 "
+                             "(the n-gram method does)")
         self.platform = platform.hold(self)  # the CPU instruction set stays as it is while this engine lives
-        self.cpu_threads = None if config.on_cuda else CpuThreadGovernor(torch.get_num_threads())
         if not config.on_cuda and not self.platform.vector_kernels:
             logger.warning("kvflow: this CPU (%s) has no AVX2; the portable scalar kernels will be correct but slow",
                            self.platform.model)
-        loaded = load_model(config.model, config.torch_dtype, config.device, config.cpu_prepack_weights,
-                            config.max_model_len, cpu_reserved_bytes=config.kv_cache_memory or CPU_KV_CACHE_MEMORY,
-                            dequantize_weights=config.dequantize_weights)
+        self.ranks: RankGroup | None = None  # tensor parallelism: the group, this process rank 0
+        self.dead: str | None = None  # why the engine can run no more steps (a rank failed)
+        device = torch.device(config.device)
+        parallel = SINGLE_RANK
+        if config.tensor_parallel_size > 1:
+            self.ranks = start_rank_group(config)
+            parallel, device = self.ranks.parallel, self.ranks.device
+        try:
+            self._build(config, parallel, device)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, parallel: TensorParallel, device: torch.device) -> None:
+        tensor_parallel = self.ranks is not None
+        self.cpu_threads = None if config.on_cuda or tensor_parallel else CpuThreadGovernor(torch.get_num_threads())
+        loaded = load_engine_model(config, parallel, device)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         context = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or context, context)
-        kv_cache_memory = config.kv_cache_memory
-        if kv_cache_memory is None:
-            kv_cache_memory = CPU_KV_CACHE_MEMORY if not config.on_cuda else cuda_kv_cache_budget(
-                loaded.model, loaded.config, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                max_model_len, config.gpu_memory_utilization, config.device)
         draft = self._load_draft(loaded) if config.speculative_config is not None else None
-        bytes_per_block = kv_cache_bytes_per_block(loaded.config, config.block_size, config.torch_dtype)
-        if draft is not None:  # the draft's keys and values live in the same blocks
-            bytes_per_block += kv_cache_bytes_per_block(draft.config, config.block_size, config.torch_dtype)
-        num_blocks = kv_cache_memory // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory of {kv_cache_memory} bytes holds no KV block")
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, config.device,
-                                  cpu_programs=not config.enforce_eager)
+        num_blocks = num_kv_blocks(config, loaded, draft, device)
+        if tensor_parallel:
+            num_blocks = self.ranks.agree_min(num_blocks)
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, device,
+                                  cpu_programs=not (config.enforce_eager or tensor_parallel), ranks=self.ranks)
         if self.runner.cpu_programs is not None:
             self.runner.cpu_programs.capture_idle(1)  # the first decode step of a lone request, ready
-        if config.on_cuda and not config.enforce_eager:
+        if config.on_cuda and not (config.enforce_eager or tensor_parallel):
             start = time.perf_counter()
             sizes = self.runner.capture_decode_graphs(min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH), max_model_len)
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", sizes, time.perf_counter() - start)
@@ -128,6 +171,22 @@ class LLMEngine:
         logger.info("kvflow engine: %s (%s) loaded in %.2f s; KV cache %d blocks x %d tokens = %d tokens "
                     "(max_model_len %d)", loaded.path, config.dtype, loaded.load_seconds, num_blocks,
                     config.block_size, num_blocks * config.block_size, max_model_len)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks (nothing to do in one process). The engine runs no
+        more steps after it."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            self.dead = self.dead or "the engine was shut down"
+            ranks.close(Stop())
+
+    def parallel_reports(self) -> list[RankReport]:
+        """Tensor parallelism: every rank's report (rank 0's first): the bytes of each parameter it
+        holds and its collectives so far."""
+        if self.ranks is None:
+            raise ValueError("the engine runs in one process (tensor_parallel_size 1)")
+        self.ranks.broadcast(ReportRequest())
+        return self.ranks.gather_reports(rank_report(self.ranks, self.runner.model))
 
     def _load_draft(self, target):
         """speculative_config's draft model (None for other methods), in the target's dtype and on
@@ -157,6 +216,8 @@ class LLMEngine:
         """Queues a request (text, or token ids). Raises ValueError for a malformed one, or one
         that could never fit the model's context or the KV pool. arrival_time (perf_counter)
         defaults to now."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if params is not None and not isinstance(params, SamplingParams):
             raise SamplingParamsError("params", f"must be SamplingParams, got {type(params).__name__}")
         # The engine's own copy, checked again: the caller's may have been changed since it was made.
@@ -257,6 +318,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.num_queued_samples)
         plan = self.scheduler.schedule()
@@ -301,6 +364,9 @@ class LLMEngine:
             for s in plan.scheduled:
                 self.abort_request(s.seq.request_id)
             self.allocator.reset_prefix_cache()
+            if isinstance(error, TensorParallelError):  # no rank can trust the others' state any more
+                self._die(str(error))
+                raise EngineDeadError(self.dead) from error
             raise
         finally:
             if governor is not None:
@@ -334,6 +400,16 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self._finished_requests[request.samples[0].seq.status.value] += 1
         return outputs
+
+    def _die(self, reason: str) -> None:
+        """After a rank failed: every request in flight ends (finish_reason "abort"), the other
+        ranks are stopped, and every later call fails with EngineDeadError naming the reason."""
+        self.dead = reason
+        for request_id in list(self._requests):
+            self.abort_request(request_id)
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
 
     def _fork(self, request: _Request) -> None:
         """Samples 1..n-1 join the batch now that sample 0 has computed the prompt (see
@@ -435,4 +511,6 @@ class LLMEngine:
             "finished_requests": dict(self._finished_requests),
             "step_failures": self._step_failures,
             "spec_decode": None if self.speculator is None else self.speculator.stats(),
+            "tensor_parallel": None if self.ranks is None else self.ranks.stats(),
+            "dead": self.dead,
         }

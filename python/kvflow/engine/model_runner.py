@@ -9,6 +9,7 @@ import torch
 from kvflow.attention_metadata import HostMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms
 from kvflow.engine.cuda_graphs import DecodeCudaGraphs
+from kvflow.engine.distributed.step_plan import StepPlan
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.sampling_params import SamplingParams
 from kvflow.engine.structured_output import GrammarMatcher
@@ -65,10 +66,12 @@ def accept_drafts(requests: list[ScheduledRequest], drawn: list[SampledToken]) -
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int, block_size: int = 16,
-                 device: torch.device | str = "cpu", cpu_programs: bool = True):
+                 device: torch.device | str = "cpu", cpu_programs: bool = True, ranks=None):
         """cpu_programs: on the CPU, decode steps replay captured programs (cpu_programs.py);
-        False runs every step op by op."""
+        False runs every step op by op. ranks: tensor parallelism, this runner rank 0's, which
+        sends each step's plan (run_plan) to the other ranks of the RankGroup first."""
         self.model = model
+        self.ranks = ranks
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -95,9 +98,9 @@ class ModelRunner:
         layer's cache (blocks about to be written that other requests share); returns, per
         request, its new tokens (one, or with drafts the accepted ones and the token after them),
         or None where none was due."""
-        if block_copies:
-            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
-                        torch.tensor(block_copies, dtype=torch.int64, device=self.device))
+        if self.ranks is not None:
+            return self._execute_on_every_rank(requests, block_copies)
+        self._copy_blocks(block_copies)
         if not requests:
             return []
         step = None if self.cpu_programs is None else self.cpu_programs.run(requests)
@@ -116,34 +119,67 @@ class ModelRunner:
 
     def _execute_op_by_op(self, requests: list[ScheduledRequest]) -> list[list[SampledToken] | None]:
         """A step the model runs op by op (or a CUDA graph replays)."""
+        self._check(requests)
+        return self._sample_due(requests, self.run_plan(StepPlan.of(requests, None)))
+
+    def _execute_on_every_rank(self, requests: list[ScheduledRequest],
+                               block_copies: list[tuple[int, int]] | None) -> list[list[SampledToken] | None]:
+        """Tensor parallelism: the step's plan to every rank, then rank 0's share of it, then the
+        sampling (here only: the LM head gathered the whole logits rows)."""
+        self._check(requests)
+        plan = StepPlan.of(requests, block_copies)
+        self.ranks.broadcast(plan)
+        with torch.inference_mode():
+            return self._sample_due(requests, self.run_plan(plan))
+
+    def _check(self, requests: list[ScheduledRequest]) -> None:
         for r in requests:
             if not r.token_ids:
                 raise ValueError("a scheduled request must bring at least one new token")
             if r.seq_len > self.config.max_position_embeddings:
                 raise ValueError(f"a request of {r.seq_len} tokens exceeds the model's context of "
                                  f"{self.config.max_position_embeddings}")
+
+    def _copy_blocks(self, block_copies: list[tuple[int, int]] | None) -> None:
+        if block_copies:
+            copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches],
+                        torch.tensor(block_copies, dtype=torch.int64, device=self.device))
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        """Copies the plan's blocks, runs the model over its tokens op by op (or a CUDA graph
+        replays them), and returns the float32 logits of its sampled rows, request after request
+        (None where no request samples)."""
+        self._copy_blocks(plan.block_copies)
+        if not plan.token_ids:
+            return None
         graphs = self.decode_graphs
-        host = HostMetadata.of([len(r.token_ids) for r in requests], [r.seq_len for r in requests],
-                               [r.block_table for r in requests], self.block_size, self.num_blocks)
-        due = [i for i, r in enumerate(requests) if r.sampling is not None]
-        results: list[list[SampledToken] | None] = [None] * len(requests)
+        host = HostMetadata.of([len(t) for t in plan.token_ids], plan.seq_lens, plan.block_tables, self.block_size,
+                               self.num_blocks)
         # With CUDA graphs the metadata stays on the host until it is known whether it is copied
         # into the graphs' static buffers or uploaded for an eager step.
         metadata = host.to_tensors(self.device if graphs is None else "cpu")
-        input_ids = torch.tensor([t for r in requests for t in r.token_ids], dtype=torch.int64)
+        input_ids = torch.tensor([t for tokens in plan.token_ids for t in tokens], dtype=torch.int64)
         if graphs is not None and graphs.can_run(metadata):
             hidden = graphs.run(input_ids, metadata)
         else:
             hidden = self.model(input_ids.to(self.device), metadata.to(self.device), self.kv_caches)
+        rows, end = [], 0
+        for tokens, sampled in zip(plan.token_ids, plan.num_sampled_rows):
+            end += len(tokens)
+            rows.extend(range(end - sampled, end))
+        if not rows:
+            return None
+        sampled_hidden = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows, torch.int64)]
+        return self.model.compute_logits(sampled_hidden)
+
+    def _sample_due(self, requests: list[ScheduledRequest],
+                    logits: torch.Tensor | None) -> list[list[SampledToken] | None]:
+        """Each due request's new tokens from its rows of logits (see run_plan); None for the others."""
+        due = [i for i, r in enumerate(requests) if r.sampling is not None]
+        results: list[list[SampledToken] | None] = [None] * len(requests)
         if not due:
             return results
-        ends, end = [], 0
-        for r in requests:
-            end += len(r.token_ids)
-            ends.append(end)
-        rows = [row for i in due for row in range(ends[i] - requests[i].num_sampled_rows, ends[i])]
-        sampled_hidden = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows, torch.int64)]
-        logits = self.model.compute_logits(sampled_hidden)
         due_requests = [requests[i] for i in due]
         if any(r.draft_token_ids for r in due_requests):
             for i, tokens in zip(due, self._verify(logits, due_requests)):

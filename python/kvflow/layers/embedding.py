@@ -32,7 +32,7 @@ class VocabEmbedding(nn.Module):
         if self.parallel.size == 1:
             return self._lookup(token_ids)
         local = token_ids - self.shard.start
-        held = (local >= 0) & (local < self.shard.total - self.shard.start)
+        held = (local >= 0) & (local < min(self.shard.size, self.shard.total - self.shard.start))
         out = self._lookup(torch.where(held, local, 0))
         out.mul_(held.unsqueeze(1).to(out.dtype))
         return self.parallel.all_reduce_(out)

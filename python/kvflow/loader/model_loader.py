@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.layers import Linear
+from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.memory import available_memory_bytes
 from kvflow.loader.gguf_file import config_from_gguf, gguf_tensor_types, gguf_weights, open_gguf
@@ -60,7 +61,7 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", cpu_prepack_weights: bool = False,
                max_model_len: int | None = None, cpu_reserved_bytes: int = 0,
-               dequantize_weights: bool = False) -> LoadedModel:
+               dequantize_weights: bool = False, parallel: TensorParallel = SINGLE_RANK) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`,
     with its tokenizer, for sequences of at most max_model_len tokens (None: the model's context;
     see ModelConfig.with_context). A GGUF file's quantized weights stay in their blocks (on the
@@ -69,7 +70,8 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     are dequantized to dtype. On the CPU the weights
     are then prepared for the kernels: packed copies for many-row products where
     cpu_prepack_weights says so and memory allows (keeping cpu_reserved_bytes free, for the KV
-    cache that comes after), and everything moved into huge pages (decode streams it every step)."""
+    cache that comes after), and everything moved into huge pages (decode streams it every step).
+    parallel: this rank's shard of the model only (each rank reads the checkpoint itself)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
     start = time.perf_counter()
@@ -87,7 +89,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
         config = config_from_gguf(reader)
         graph_class = model_class(config.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
-    config = config.with_context(max_model_len)
+    config = config.with_context(max_model_len).with_tensor_parallel(parallel)
     with torch.device(device):
         graph = graph_class(config, dtype)
     if reader is None:
