@@ -75,6 +75,9 @@ def _engine_flags(args) -> list[str]:
         flags += ["--speculative-config", args.speculative_config]
     if args.batch_invariant:
         flags.append("--batch-invariant")
+    if args.tensor_parallel_size != 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+                  "--tensor-parallel-timeout", str(args.tensor_parallel_timeout)]
     return flags
 
 

@@ -149,12 +149,14 @@ class AsyncLLMEngine:
         return await self._call(self.engine.stats)
 
     async def shutdown(self) -> None:
-        """Stops the engine thread (after the call it is running)."""
+        """Stops the engine thread (after the call it is running), then the engine's other ranks."""
         if self._thread is not None:
             self._calls.put(_STOP)
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
             self._thread = None
         self._loop = None
+        if self.engine is not None:
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------ the engine thread
 

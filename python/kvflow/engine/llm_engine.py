@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,8 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self.ranks = start_rank_group(config)
             parallel, device = self.ranks.parallel, self.ranks.device
+            # The ranks stop when the engine is shut down, collected, or at exit, whichever comes first.
+            self._stop_ranks = weakref.finalize(self, self.ranks.close, Stop())
         try:
             self._build(config, parallel, device)
         except BaseException:
@@ -176,9 +179,9 @@ class LLMEngine:
         """Stops the tensor-parallel ranks (nothing to do in one process). The engine runs no
         more steps after it."""
         if self.ranks is not None:
-            ranks, self.ranks = self.ranks, None
+            self.ranks = None
             self.dead = self.dead or "the engine was shut down"
-            ranks.close(Stop())
+            self._stop_ranks()
 
     def parallel_reports(self) -> list[RankReport]:
         """Tensor parallelism: every rank's report (rank 0's first): the bytes of each parameter it
@@ -408,8 +411,8 @@ class LLMEngine:
         for request_id in list(self._requests):
             self.abort_request(request_id)
         if self.ranks is not None:
-            ranks, self.ranks = self.ranks, None
-            ranks.close()
+            self.ranks = None
+            self._stop_ranks()  # the group failed: no stop message, spawned workers are ended
 
     def _fork(self, request: _Request) -> None:
         """Samples 1..n-1 join the batch now that sample 0 has computed the prompt (see

@@ -57,7 +57,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (per rank with tensor parallelism)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many processes (under torchrun: its ranks; otherwise "
+                        "spawned on this machine, the cores shared out)")
+    parser.add_argument("--tensor-parallel-timeout", type=float, default=60.0,
+                        help="seconds a rank waits for the others within a step before the engine stops")
     parser.add_argument("--seed", type=int, default=None, help="fixes the random draws")
 
 

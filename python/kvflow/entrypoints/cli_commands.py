@@ -23,6 +23,8 @@ def build_engine_config(args) -> EngineConfig:
                         dequantize_weights=args.dequantize_weights,
                         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_timeout=args.tensor_parallel_timeout,
                         seed=args.seed if args.seed is not None else 0)
 
 
@@ -68,6 +70,13 @@ def _prompt_ids(engine: LLMEngine, args, text: str) -> list[int]:
 def generate(args) -> int:
     _sampling_params(args)  # a bad flag is an error before the model loads
     engine = _engine(args)
+    try:
+        return _generate(args, engine)
+    finally:
+        engine.shutdown()
+
+
+def _generate(args, engine: LLMEngine) -> int:
     if args.prompt is not None:
         output = _run_streaming(engine, "generate-0", _prompt_ids(engine, args, args.prompt), _sampling_params(args))
         _report(args, output)
@@ -92,6 +101,13 @@ def generate(args) -> int:
 def chat(args) -> int:
     _sampling_params(args)  # a bad flag is an error before the model loads
     engine = _engine(args)
+    try:
+        return _chat(args, engine)
+    finally:
+        engine.shutdown()
+
+
+def _chat(args, engine: LLMEngine) -> int:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("Type a message; an empty line or Ctrl-D ends the conversation.", file=sys.stderr)
     turn = 0

@@ -3,9 +3,9 @@
 Two process groups:
 - compute: the all-reduces and all-gathers inside a model step (gloo on the CPU, NCCL on CUDA),
   with the step timeout, so that a rank that died or hangs fails the step within it;
-- control: rank 0's messages (step plans, report requests, stop) as pickled objects broadcast
-  over gloo, with no practical timeout, so that an idle server's ranks may wait for the next step
-  as long as it takes. A broadcast over torch.distributed reaches ranks on other nodes, which a
+- control: rank 0's messages (step plans, report requests, stop), pickled and broadcast over
+  gloo; rank 0 sends within the step timeout, the others wait without one, so that an idle
+  server's ranks may wait for the next step as long as it takes. A broadcast over torch.distributed reaches ranks on other nodes, which a
   shared-memory ring would not; a step's plan is a few kilobytes (docs/tensor_parallel.md has
   its cost).
 
@@ -15,6 +15,7 @@ MASTER_ADDR, MASTER_PORT), across nodes too, or are spawned by rank 0 on this ma
 import datetime
 import logging
 import os
+import pickle
 import socket
 import time
 
@@ -107,7 +108,7 @@ class RankGroup:
         tensor = tensor.contiguous()
         rows, columns = tensor.shape
         gathered = tensor.new_empty((self.size * rows, columns))  # rank after rank
-        self._collective("all-gather", dist.all_gather_into_tensor, gathered, tensor)
+        self._collective("all-gather", getattr(dist, "all_gather_single", dist.all_gather_into_tensor), gathered, tensor)
         self.num_all_gathers += 1
         self.collective_seconds += time.perf_counter() - start
         return gathered.view(self.size, rows, columns).transpose(0, 1).reshape(rows, self.size * columns)
@@ -137,17 +138,23 @@ class RankGroup:
         if dead:
             self.fail(f"tensor parallel worker process(es) {dead} exited")
             raise TensorParallelError(self.failure)
+        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            dist.broadcast_object_list([message], src=0, group=self.control)
+            for tensor in (torch.tensor([payload.numel()], dtype=torch.int64), payload):
+                dist.broadcast(tensor, src=0, group=self.control, async_op=True).wait(timeout)
         except Exception as error:
-            self.fail(f"tensor parallel: sending the step to the ranks failed: {type(error).__name__}: {error}")
+            self.fail(f"tensor parallel: sending the step to the ranks failed (a rank died, or did not answer "
+                      f"within {self.timeout_s:g} s): {type(error).__name__}: {error}")
             raise TensorParallelError(self.failure) from error
 
     def receive(self):
-        """A worker rank: the next message from rank 0."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """A worker rank: the next message from rank 0 (waiting as long as rank 0 is idle)."""
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(length, src=0, group=self.control)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.control)
+        return pickle.loads(payload.numpy().tobytes())
 
     def gather_reports(self, report) -> list:
         """Rank 0 (after broadcasting a ReportRequest) and every worker: each rank's report, on rank 0."""
@@ -170,9 +177,9 @@ class RankGroup:
         (ending those that do not stop), then leaves the group. Workers: leaves the group."""
         if self.rank == 0 and stop_message is not None and self.failure is None:
             try:
-                dist.broadcast_object_list([stop_message], src=0, group=self.control)
-            except Exception as error:
-                self.fail(f"tensor parallel: stopping the ranks failed: {error}")
+                self.broadcast(stop_message)
+            except TensorParallelError:
+                pass  # failed, and said so
         deadline = time.monotonic() + (10.0 if self.failure is None else 0.0)
         for process in self.workers:
             process.join(max(0.0, deadline - time.monotonic()))

@@ -143,6 +143,8 @@ def _state(request: Request):
 async def _check_accepting(request: Request) -> None:
     if _state(request).draining:
         raise APIError(503, "the server is shutting down", "service_unavailable")
+    if _state(request).engine.dead is not None:
+        raise APIError(503, f"the engine stopped: {_state(request).engine.dead}", "service_unavailable")
 
 
 async def _respond(handler, body, request: Request):
@@ -200,7 +202,8 @@ async def _detokenize(body: DetokenizeRequest, request: Request):
 
 @_root.get("/health")
 async def _health(request: Request):
-    return Response(status_code=503 if _state(request).draining else 200)
+    state = _state(request)
+    return Response(status_code=503 if state.draining or state.engine.dead is not None else 200)
 
 
 @_root.get("/metrics")
