@@ -354,14 +354,24 @@ def llama_cpp_permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def as_gguf(model, path: Path, arch: str = "qwen2", quantized: dict[str, str] | None = None) -> Path:
+def as_gguf(model, path: Path, arch: str = "qwen2", quantized: dict[str, str] | None = None,
+            with_vocabulary: bool = False) -> Path:
     """The checkpoint as llama.cpp's converter writes a qwen2, qwen3, granite, gemma2 or gemma3
     GGUF: its metadata keys and tensor names, q/k rows in Hugging Face's order (llama.cpp permutes
     them for llama and granite, and so does this), Gemma's (1 + w) norms stored with the 1 added.
     quantized: Hugging Face name -> GGML type name of the tensors to store in that type's blocks
-    (see quantize_blocks)."""
+    (see quantize_blocks). with_vocabulary: SmolLM2's vocabulary (the tokenizer these checkpoints
+    are saved with) in the file too, so that an engine can load it."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
+    if with_vocabulary:
+        vocabulary = gguf.GGUFReader(str(SMOLLM2_DIR / SMOLLM2_GGUF)).fields
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(vocabulary["tokenizer.ggml.tokens"].contents())
+        writer.add_token_types(vocabulary["tokenizer.ggml.token_type"].contents())
+        writer.add_token_merges(vocabulary["tokenizer.ggml.merges"].contents())
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)

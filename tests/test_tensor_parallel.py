@@ -16,9 +16,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from test_hf_checkpoints import SHAPE, SMOLLM2_DIR, SMOLLM2_GGUF, random_ids, save_randomised
+from test_hf_checkpoints import (QUANTIZED_LOGPROB_ATOL, QUANTIZED_NEAR_TIE, SHAPE, SMOLLM2_DIR, SMOLLM2_GGUF, as_gguf,
+                                 quantization_plan, random_ids, save_randomised)
 from kvflow import LLM, SamplingParams
 from kvflow.engine.llm_engine import EngineDeadError
+from kvflow.ops.quantized import BLOCK_VALUES
 
 # Summing two ranks' float32 partial products rounds differently from one product over all the
 # features; over 4 layers that moves logprobs by a few 1e-6.
@@ -80,6 +82,49 @@ def test_two_ranks_give_the_tokens_of_one(family, checkpoints):
                 assert held == full * 4 // 6, name
             else:
                 assert held == full // 2, name
+
+
+@pytest.mark.parametrize("kind", ["legacy", "k_quants"])
+def test_gguf_blocks_shard_by_whole_blocks(kind, checkpoints, tmp_path):
+    """A Qwen2 GGUF whose projections, embedding and LM head stay in their blocks (the types as
+    quantization_plan mixes them): at two ranks each rank holds half of every quantized tensor's
+    bytes (a quantized o_proj's 128 input features per rank are whole Q8_0 or Q5_0 blocks but not
+    whole 256-value K-quant blocks: those are dequantized at load), and greedy tokens are those of
+    one process wherever its top two logprobs are not within QUANTIZED_NEAR_TIE."""
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+    config = Qwen2Config(**dict(TP_SHAPE, num_key_value_heads=2), tie_word_embeddings=False, use_sliding_window=False)
+    reference = save_randomised(Qwen2ForCausalLM(config), tmp_path / "hf", tokenizer)
+    path = as_gguf(reference, tmp_path / "model.gguf", "qwen2", quantized=quantization_plan(reference.config, kind),
+                   with_vocabulary=True)
+    one = make_llm(path, 1)
+    expected = greedy(one)
+    sizes = {name: p.nbytes for name, p in one.engine.runner.model.named_parameters()}
+    quantized = {name: module.ggml_type for name, module in one.engine.runner.model.named_modules()
+                 if getattr(module, "ggml_type", None) is not None and hasattr(module, "weight")}
+    del one
+    llm = make_llm(path, 2)
+    try:
+        outputs = greedy(llm)
+        reports = llm.engine.parallel_reports()
+    finally:
+        llm.engine.shutdown()
+    assert quantized  # blocks were kept at one rank
+    for name, ggml_type in quantized.items():
+        held = reports[1].parameter_bytes[name + ".weight"]
+        full = sizes[name + ".weight"]
+        if name.endswith("o_proj") and (TP_SHAPE["hidden_size"] // 2) % BLOCK_VALUES.get(ggml_type, 32):
+            assert held > full, name  # float32 columns instead of blocks
+        else:
+            assert held * 2 == full, name
+    for want, got in zip(expected, outputs):
+        for step, token in enumerate(want.outputs[0].token_ids):
+            top = sorted(want.outputs[0].logprobs[step].values(), reverse=True)
+            if got.outputs[0].token_ids[step] != token:
+                assert top[0] - top[1] < QUANTIZED_NEAR_TIE, step
+                break
+            for candidate, logprob in want.outputs[0].logprobs[step].items():
+                if candidate in got.outputs[0].logprobs[step]:
+                    assert abs(got.outputs[0].logprobs[step][candidate] - logprob) < QUANTIZED_LOGPROB_ATOL
 
 
 def test_a_decode_step_makes_two_all_reduces_per_layer(checkpoints):

@@ -27,6 +27,8 @@ from kvflow.layers.tensor_parallel import TensorParallel
 logger = logging.getLogger("kvflow")
 
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# On the CPU an all-reduce of up to this many values (in all) is an all-gather and a local sum.
+GATHERED_SUM_MAX_VALUES = 1 << 20
 
 
 class TensorParallelError(RuntimeError):
@@ -99,19 +101,29 @@ class RankGroup:
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         start = time.perf_counter()
-        self._collective("all-reduce", dist.all_reduce, tensor)
+        if self.device.type == "cpu" and (self.size == 2 or tensor.numel() * self.size <= GATHERED_SUM_MAX_VALUES):
+            # gloo's all-reduce takes two rounds of messages, an all-gather one: each rank sums
+            # the gathered parts in rank order, so every rank gets the same bits.
+            parts = self._gather_rows(tensor.contiguous()).view(self.size, *tensor.shape)
+            torch.sum(parts, dim=0, out=tensor)
+        else:
+            self._collective("all-reduce", dist.all_reduce, tensor)
         self.num_all_reduces += 1
         self.collective_seconds += time.perf_counter() - start
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        tensor = tensor.contiguous()
         rows, columns = tensor.shape
-        gathered = tensor.new_empty((self.size * rows, columns))  # rank after rank
-        self._collective("all-gather", getattr(dist, "all_gather_single", dist.all_gather_into_tensor), gathered, tensor)
+        gathered = self._gather_rows(tensor.contiguous())
         self.num_all_gathers += 1
         self.collective_seconds += time.perf_counter() - start
         return gathered.view(self.size, rows, columns).transpose(0, 1).reshape(rows, self.size * columns)
+
+    def _gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ranks' tensors stacked along the first dimension, rank after rank."""
+        gathered = tensor.new_empty((self.size * tensor.shape[0], *tensor.shape[1:]))
+        self._collective("all-gather", getattr(dist, "all_gather_single", dist.all_gather_into_tensor), gathered, tensor)
+        return gathered
 
     def _collective(self, name: str, function, *args) -> None:
         if self.failure is not None:
