@@ -85,6 +85,7 @@ def measure(llm: LLM, prompt_len: int, decode_steps: int) -> dict:
         result[f"tpot{batch}_ms"] = (time.perf_counter() - start) * 1e3 / steps
     stats = engine.stats()["tensor_parallel"]
     result["collective_s"] = 0.0 if stats is None else stats["collective_seconds"]
+    result["collectives"] = 0 if stats is None else stats["all_reduces"] + stats["all_gathers"]
     return result
 
 
@@ -120,7 +121,9 @@ def main() -> None:
         print(f"{metric:9s} " + "  ".join(f"{name} {value:8.1f}" for name, value in medians.items())
               + f"   {tp}/tp1 per round: " + ", ".join(f"{r:.2f}" for r in ratios))
     collective = statistics.median(r["collective_s"] for r in results[tp])
-    print(f"{tp}: {collective:.2f} s in all-reduces and all-gathers over the whole run (rank 0)")
+    count = statistics.median(r["collectives"] for r in results[tp])
+    print(f"{tp}: {collective:.2f} s in {count:.0f} all-reduces and all-gathers over the whole run (rank 0), "
+          f"{collective / count * 1e3:.2f} ms each")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,12 @@ def rank_report(group: RankGroup, model: torch.nn.Module) -> RankReport:
 
 def serve_steps(config, group: RankGroup) -> None:
     """Loads this rank's shard as rank 0 does (same KV block count), then runs rank 0's messages."""
+    from kvflow import platform
     from kvflow.engine.llm_engine import load_engine_model, num_kv_blocks  # the engine imports this module
     from kvflow.engine.model_runner import ModelRunner
 
+    if group.device.type == "cpu":  # every rank's products as rank 0's: invariant, or not
+        platform.set_batch_invariant(config.batch_invariant)
     loaded = load_engine_model(config, group.parallel, group.device)
     num_blocks = group.agree_min(num_kv_blocks(config, loaded, None, group.device))
     runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, group.device, cpu_programs=False)
