@@ -35,7 +35,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     llama = save_randomised(LlamaForCausalLM(LlamaConfig(**dict(TP_SHAPE, num_key_value_heads=2),
                                                          tie_word_embeddings=False)), root / "llama", tokenizer)
-    qwen2 = save_randomised(Qwen2ForCausalLM(Qwen2Config(**dict(TP_SHAPE, num_key_value_heads=1),
+    # An odd vocabulary (the tokenizer's 49152 ids and 3 more rows): the last rank's table is padded.
+    qwen2 = save_randomised(Qwen2ForCausalLM(Qwen2Config(**dict(TP_SHAPE, num_key_value_heads=1, vocab_size=49155),
                                                          tie_word_embeddings=True)), root / "qwen2", tokenizer)
     del llama, qwen2
     return {"llama": root / "llama", "qwen2": root / "qwen2"}
@@ -80,6 +81,9 @@ def test_two_ranks_give_the_tokens_of_one(family, checkpoints):
                 assert held == full * 4 // 6, name
             elif family == "qwen2" and name.endswith("qkv_proj.bias"):
                 assert held == full * 4 // 6, name
+            elif name == "embed_tokens.weight" and family == "qwen2":
+                row = TP_SHAPE["hidden_size"] * 4
+                assert held == (49155 + 1) // 2 * row, name  # 24578 rows each, the last rank's padded
             else:
                 assert held == full // 2, name
 
@@ -242,3 +246,35 @@ def test_two_torchrun_nodes_generate_the_text_of_one_process(checkpoints, tmp_pa
     outputs = sorted(out for out, _ in results)
     assert outputs[-1] == single.stdout  # one node printed the text, the other nothing
     assert outputs[0] == ""
+
+
+def _assert_same_greedy(expected, outputs, atol: float) -> None:
+    """Greedy tokens equal, except after a step whose top two logprobs are within atol (where a
+    device's rounding may pick either); logprobs within atol."""
+    for want, got in zip(expected, outputs):
+        for step, token in enumerate(want.outputs[0].token_ids):
+            top = sorted(want.outputs[0].logprobs[step].values(), reverse=True)
+            for candidate, logprob in want.outputs[0].logprobs[step].items():
+                if candidate in got.outputs[0].logprobs[step]:
+                    assert abs(got.outputs[0].logprobs[step][candidate] - logprob) < atol, (step, candidate)
+            if got.outputs[0].token_ids[step] != token:
+                assert top[0] - top[1] < atol, step
+                break
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_rank_on_cuda_gives_the_cpu_tokens(checkpoints):
+    """What the GPU check runs of tensor parallelism on a machine of one GPU: the engine at
+    tensor_parallel_size 1 on CUDA, float32, against the CPU."""
+    expected = greedy(make_llm(checkpoints["llama"], 1))
+    _assert_same_greedy(expected, greedy(make_llm(checkpoints["llama"], 1, device="cuda")), 1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL ranks)")
+def test_two_cuda_ranks_over_nccl_give_the_cpu_tokens(checkpoints):
+    expected = greedy(make_llm(checkpoints["qwen2"], 1))
+    llm = make_llm(checkpoints["qwen2"], 2, device="cuda")
+    try:
+        _assert_same_greedy(expected, greedy(llm), 1e-3)
+    finally:
+        llm.engine.shutdown()

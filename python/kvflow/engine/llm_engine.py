@@ -73,11 +73,12 @@ def sample_seed(seed: int, index: int) -> int:
     return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
 
 
-def load_engine_model(config: EngineConfig, parallel: TensorParallel, device: torch.device):
-    """The engine's model (this rank's shard of it) as config says."""
+def load_engine_model(config: EngineConfig, parallel: TensorParallel, device: torch.device, ranks_here: int = 1):
+    """The engine's model (this rank's shard of it) as config says; ranks_here: the ranks on this
+    machine, which share its free memory for packed weight copies."""
     return load_model(config.model, config.torch_dtype, device, config.cpu_prepack_weights, config.max_model_len,
                       cpu_reserved_bytes=config.kv_cache_memory or CPU_KV_CACHE_MEMORY,
-                      dequantize_weights=config.dequantize_weights, parallel=parallel)
+                      dequantize_weights=config.dequantize_weights, parallel=parallel, memory_share=1 / ranks_here)
 
 
 def num_kv_blocks(config: EngineConfig, loaded, draft, device: torch.device) -> int:
@@ -134,13 +135,15 @@ class LLMEngine:
     def _build(self, config: EngineConfig, parallel: TensorParallel, device: torch.device) -> None:
         tensor_parallel = self.ranks is not None
         self.cpu_threads = None if config.on_cuda or tensor_parallel else CpuThreadGovernor(torch.get_num_threads())
-        loaded = load_engine_model(config, parallel, device)
+        loaded = load_engine_model(config, parallel, device, 1 if self.ranks is None else self.ranks.local_size)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.load_seconds = loaded.load_seconds
         context = loaded.config.max_position_embeddings
         max_model_len = min(config.max_model_len or context, context)
         draft = self._load_draft(loaded) if config.speculative_config is not None else None
+        if tensor_parallel:  # every rank loaded: the KV budget's profiling step has collectives
+            self.ranks.synchronize()
         num_blocks = num_kv_blocks(config, loaded, draft, device)
         if tensor_parallel:
             num_blocks = self.ranks.agree_min(num_blocks)

@@ -9,6 +9,7 @@ import torch
 from kvflow.attention_metadata import HostMetadata
 from kvflow.engine.cpu_programs import CpuDecodePrograms
 from kvflow.engine.cuda_graphs import DecodeCudaGraphs
+from kvflow.engine.distributed.rank_group import TensorParallelError
 from kvflow.engine.distributed.step_plan import StepPlan
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.sampling_params import SamplingParams
@@ -129,8 +130,13 @@ class ModelRunner:
         self._check(requests)
         plan = StepPlan.of(requests, block_copies)
         self.ranks.broadcast(plan)
+        try:
+            logits = self.run_plan(plan)
+        except BaseException as error:  # the other ranks are inside this step's collectives: out of step now
+            self.ranks.fail(f"tensor parallel rank 0 failed within a step: {type(error).__name__}: {error}")
+            raise TensorParallelError(self.ranks.failure) from error
         with torch.inference_mode():
-            return self._sample_due(requests, self.run_plan(plan))
+            return self._sample_due(requests, logits)
 
     def _check(self, requests: list[ScheduledRequest]) -> None:
         for r in requests:

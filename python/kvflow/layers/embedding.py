@@ -23,7 +23,9 @@ class VocabEmbedding(nn.Module):
         self.dtype = dtype
         self.parallel = parallel
         self.shard = parallel.vocab(vocab_size)
-        self.weight = nn.Parameter(torch.zeros(self.shard.size, hidden_size, dtype=dtype), requires_grad=False)
+        padded = self.shard.start + self.shard.size > vocab_size  # the last rank's table: zero rows past the vocabulary
+        self.weight = nn.Parameter((torch.zeros if padded else torch.empty)(self.shard.size, hidden_size, dtype=dtype),
+                                   requires_grad=False)
         self.scale = float(scale)
         self.ggml_type: int | None = None
 
@@ -87,7 +89,9 @@ class LMHead(nn.Module):
         self.packed_weight: PackedWeight | None = None  # as Linear.packed_weight
         self.own_ggml_type: int | None = None  # see hold_quantized()
         if tied_to is None:
-            self.weight = nn.Parameter(torch.zeros(self.shard.size, hidden_size, dtype=dtype), requires_grad=False)
+            padded = self.shard.start + self.shard.size > vocab_size
+            self.weight = nn.Parameter((torch.zeros if padded else torch.empty)(self.shard.size, hidden_size,
+                                                                                dtype=dtype), requires_grad=False)
 
     checkpoint_shard = VocabEmbedding.checkpoint_shard
 
@@ -99,7 +103,8 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
             return self._local_logits(hidden)
-        return self.parallel.all_gather(self._local_logits(hidden))[:, :self.vocab_size]
+        logits = self.parallel.all_gather(self._local_logits(hidden))
+        return logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size].contiguous()
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.tied_to.weight if self.tied_to is not None else self.weight

@@ -153,11 +153,14 @@ class MergedLinear(Linear):
 
     def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint's fused tensor (Phi-3's qkv_proj): each part's shard of it, stacked."""
-        if self.shards is None:
+        if self.shards is None or all(shard.size == shard.total for shard in self.shards):
             return tensor
+        if tensor.shape[0] != sum(shard.total for shard in self.shards):
+            raise ValueError(f"fused {kind}: checkpoint has {tensor.shape[0]} rows, the model "
+                             f"{sum(shard.total for shard in self.shards)}")
         parts, start = [], 0
         for part, shard in enumerate(self.shards):
-            parts.append(self._part_rows(part, tensor.narrow(0, start, min(shard.total, tensor.shape[0] - start)), kind))
+            parts.append(self._part_rows(part, tensor.narrow(0, start, shard.total), kind))
             start += shard.total
         return torch.cat(parts)
 

@@ -61,7 +61,8 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", cpu_prepack_weights: bool = False,
                max_model_len: int | None = None, cpu_reserved_bytes: int = 0,
-               dequantize_weights: bool = False, parallel: TensorParallel = SINGLE_RANK) -> LoadedModel:
+               dequantize_weights: bool = False, parallel: TensorParallel = SINGLE_RANK,
+               memory_share: float = 1.0) -> LoadedModel:
     """Builds and fills the model named by `model` (see resolve_model_path), weights in `dtype`,
     with its tokenizer, for sequences of at most max_model_len tokens (None: the model's context;
     see ModelConfig.with_context). A GGUF file's quantized weights stay in their blocks (on the
@@ -71,7 +72,9 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     are then prepared for the kernels: packed copies for many-row products where
     cpu_prepack_weights says so and memory allows (keeping cpu_reserved_bytes free, for the KV
     cache that comes after), and everything moved into huge pages (decode streams it every step).
-    parallel: this rank's shard of the model only (each rank reads the checkpoint itself)."""
+    parallel: this rank's shard of the model only (each rank reads the checkpoint itself);
+    memory_share: the part of the available memory this process may count on for packed copies
+    (1 / the ranks on this machine)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
     start = time.perf_counter()
@@ -103,7 +106,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     graph.eval()
     logger.info("kvflow: weights of %s: %s", os.path.basename(path), describe_weights(graph))
     if torch.device(device).type == "cpu":
-        prepare_cpu_weights(graph, cpu_prepack_weights, cpu_reserved_bytes)
+        prepare_cpu_weights(graph, cpu_prepack_weights, cpu_reserved_bytes, memory_share)
     return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 
@@ -133,7 +136,8 @@ def packable(module: torch.nn.Module) -> bool:
     return module.ggml_type is None and weight.dtype == torch.bfloat16
 
 
-def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0) -> None:
+def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0,
+                        memory_share: float = 1.0) -> None:
     """Packed copies of the projection weights for many-row products (where prepack and the
     model can), Q4_0 and Q4_1 projections in the interleaved layout of the few-row kernel
     (Linear.interleave_rows), then every weight into huge pages, in the order a forward pass
@@ -144,7 +148,7 @@ def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: i
     still loads, its remaining products on the plain weights (slower prefill, same decode)."""
     if prepack and hasattr(model, "prepack_linear_weights"):
         available = available_memory_bytes()
-        budget = None if available is None else max(0, available - reserved_bytes - PACKING_HEADROOM)
+        budget = None if available is None else max(0, int(available * memory_share) - reserved_bytes - PACKING_HEADROOM)
         packed = model.prepack_linear_weights(budget)
         wanted = sum(1 for module in model.linear_modules() if packable(module))
         if packed < wanted:

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import time
 
 import torch
@@ -59,8 +60,12 @@ def rank_cores(local_rank: int, local_size: int) -> list[int]:
 class RankGroup:
     """One rank's view of the group; implements kvflow.layers.tensor_parallel.Communicator."""
 
-    def __init__(self, rank: int, size: int, local_rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, rank: int, size: int, local_rank: int, device: torch.device, timeout_s: float,
+                 restore=None):
         self.rank = rank
+        self.local_size = 1
+        self._restore = restore  # puts back the process's cores and threads (close)
+        self._send_lock = threading.Lock()  # shutdown may come from another thread than the steps
         self.size = size
         self.local_rank = local_rank
         self.device = device
@@ -84,6 +89,12 @@ class RankGroup:
         local_rank = int(env.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
         local_size = int(env.get("LOCAL_WORLD_SIZE", size)) if local_size is None else local_size
         torch_device = torch.device(device)
+        affinity, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
+
+        def restore():
+            os.sched_setaffinity(0, affinity)
+            torch.set_num_threads(num_threads)
+
         if torch_device.type == "cuda":
             torch_device = torch.device("cuda", local_rank)
             torch.cuda.set_device(torch_device)
@@ -95,7 +106,9 @@ class RankGroup:
             backend = "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(rank, size, local_rank, torch_device, timeout_s)
+        group = cls(rank, size, local_rank, torch_device, timeout_s, restore)
+        group.local_size = local_size
+        return group
 
     # ------------------------------------------------------------ Communicator (inside a step)
 
@@ -153,8 +166,9 @@ class RankGroup:
         payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         try:
-            for tensor in (torch.tensor([payload.numel()], dtype=torch.int64), payload):
-                dist.broadcast(tensor, src=0, group=self.control, async_op=True).wait(timeout)
+            with self._send_lock:
+                for tensor in (torch.tensor([payload.numel()], dtype=torch.int64), payload):
+                    dist.broadcast(tensor, src=0, group=self.control, async_op=True).wait(timeout)
         except Exception as error:
             self.fail(f"tensor parallel: sending the step to the ranks failed (a rank died, or did not answer "
                       f"within {self.timeout_s:g} s): {type(error).__name__}: {error}")
@@ -173,6 +187,10 @@ class RankGroup:
         reports = [None] * self.size if self.rank == 0 else None
         dist.gather_object(report, reports, dst=0, group=self.control)
         return reports
+
+    def synchronize(self) -> None:
+        """Waits for every rank (on the control group: loading may take the ranks different times)."""
+        dist.barrier(group=self.control)
 
     def agree_min(self, value: int) -> int:
         """The smallest of the ranks' values (the KV blocks that fit on every rank)."""
@@ -204,3 +222,6 @@ class RankGroup:
                 dist.destroy_process_group()
             except Exception as error:  # a failed group may not tear down cleanly; the process goes on
                 logger.warning("kvflow: leaving the tensor parallel group: %s", error)
+        if self._restore is not None:
+            self._restore()
+            self._restore = None

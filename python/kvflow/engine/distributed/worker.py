@@ -26,7 +26,8 @@ def serve_steps(config, group: RankGroup) -> None:
 
     if group.device.type == "cpu":  # every rank's products as rank 0's: invariant, or not
         platform.set_batch_invariant(config.batch_invariant)
-    loaded = load_engine_model(config, group.parallel, group.device)
+    loaded = load_engine_model(config, group.parallel, group.device, group.local_size)
+    group.synchronize()  # as rank 0 does before the KV budget
     num_blocks = group.agree_min(num_kv_blocks(config, loaded, None, group.device))
     runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, group.device, cpu_programs=False)
     while True:

@@ -24,6 +24,7 @@ from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException
 
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineStepError
+from kvflow.engine.llm_engine import EngineDeadError
 from kvflow.engine.metrics import EngineMetrics
 from kvflow.engine.sampling_params import SamplingParamsError
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -156,6 +157,8 @@ async def _respond(handler, body, request: Request):
         result = await _unless_disconnected(request, handler(body))
     except QueueFullError as error:
         raise APIError(503, str(error), "service_unavailable") from error
+    except EngineDeadError as error:
+        raise APIError(503, f"the engine stopped: {error}", "service_unavailable") from error
     except EngineStepError as error:
         raise APIError(500, str(error), "internal_error") from error
     except SamplingParamsError as error:
