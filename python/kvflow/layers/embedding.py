@@ -23,7 +23,7 @@ class VocabEmbedding(nn.Module):
         self.dtype = dtype
         self.parallel = parallel
         self.shard = parallel.vocab(vocab_size)
-        padded = self.shard.start + self.shard.size > vocab_size  # the last rank's table: zero rows past the vocabulary
+        padded = self.shard.held < self.shard.size  # the last rank's table: zero rows past the vocabulary
         self.weight = nn.Parameter((torch.zeros if padded else torch.empty)(self.shard.size, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.scale = float(scale)
@@ -34,7 +34,7 @@ class VocabEmbedding(nn.Module):
         if self.parallel.size == 1:
             return self._lookup(token_ids)
         local = token_ids - self.shard.start
-        held = (local >= 0) & (local < min(self.shard.size, self.shard.total - self.shard.start))
+        held = (local >= 0) & (local < self.shard.held)
         out = self._lookup(torch.where(held, local, 0))
         out.mul_(held.unsqueeze(1).to(out.dtype))
         return self.parallel.all_reduce_(out)
@@ -46,7 +46,7 @@ class VocabEmbedding(nn.Module):
             return tensor
         if tensor.shape[0] != shard.total:
             raise ValueError(f"checkpoint table has {tensor.shape[0]} rows, the model's vocabulary {shard.total}")
-        rows = tensor.narrow(0, shard.start, min(shard.size, shard.total - shard.start))
+        rows = tensor.narrow(0, shard.start, shard.held)
         if rows.shape[0] == shard.size:
             return rows
         return torch.cat([rows, rows.new_zeros((shard.size - rows.shape[0], *rows.shape[1:]))])
@@ -89,7 +89,7 @@ class LMHead(nn.Module):
         self.packed_weight: PackedWeight | None = None  # as Linear.packed_weight
         self.own_ggml_type: int | None = None  # see hold_quantized()
         if tied_to is None:
-            padded = self.shard.start + self.shard.size > vocab_size
+            padded = self.shard.held < self.shard.size
             self.weight = nn.Parameter((torch.zeros if padded else torch.empty)(self.shard.size, hidden_size,
                                                                                 dtype=dtype), requires_grad=False)
 

@@ -76,18 +76,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]. Few rows on the CPU (decode) go to
         small_linear, which reads the weight once at memory speed; more go to torch's matmul."""
+        return self.product(x, x.dtype, self.bias)
+
+    def product(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias) as out_dtype: x's, or float32 straight from the kernels'
+        accumulators (torch's matmul rounds to x's dtype first)."""
         rows = x.shape[0]
         if self.ggml_type is not None:
-            out = x.new_empty((rows, self.out_features))
-            torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, self.bias)
+            out = x.new_empty((rows, self.out_features), dtype=out_dtype)
+            torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, bias)
             return out
         if x.is_cpu and takes_small_linear(rows) and x.dim() == 2:
-            out = x.new_empty((rows, self.out_features))
-            torch.ops.kvflow.small_linear(out, x, self.weight, self.bias)
+            out = x.new_empty((rows, self.out_features), dtype=out_dtype)
+            torch.ops.kvflow.small_linear(out, x, self.weight, bias)
             return out
         if self.packed_weight is not None and x.dim() == 2:
-            return self.packed_weight.matmul(x, self.bias)
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+            return self.packed_weight.matmul(x, bias, out_dtype=out_dtype)
+        return torch.nn.functional.linear(x, self.weight, bias).to(out_dtype)
 
     def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """The part of checkpoint tensor `kind` ("weight" or "bias") this layer holds: all of it
@@ -230,28 +235,13 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
             return super().forward(x)
-        partial = self._partial_product(x)
+        partial = self.product(x, torch.float32, None)
         self.parallel.all_reduce_(partial)
         if self.bias is not None:
             partial.add_(self.bias)
         return partial if partial.dtype == x.dtype else partial.to(x.dtype)
 
     __call__ = forward
-
-    def _partial_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ this rank's columns.T as float32, without the bias."""
-        rows = x.shape[0]
-        if self.ggml_type is not None:
-            out = x.new_empty((rows, self.out_features), dtype=torch.float32)
-            torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, None)
-            return out
-        if x.is_cpu and takes_small_linear(rows) and x.dim() == 2:
-            out = x.new_empty((rows, self.out_features), dtype=torch.float32)
-            torch.ops.kvflow.small_linear(out, x, self.weight, None)
-            return out
-        if self.packed_weight is not None and x.dim() == 2:
-            return self.packed_weight.matmul(x, out_dtype=torch.float32)
-        return torch.nn.functional.linear(x, self.weight).float()
 
     def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """The weight's columns of this rank's input features (whole blocks of a quantized one);

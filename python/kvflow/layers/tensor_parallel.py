@@ -24,6 +24,11 @@ class Shard:
     size: int
     total: int
 
+    @property
+    def held(self) -> int:
+        """The shard's rows within the total (fewer than size where a last shard is padded)."""
+        return min(self.size, self.total - self.start)
+
 
 @dataclass(frozen=True)
 class TensorParallel:

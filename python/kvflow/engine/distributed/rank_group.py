@@ -5,9 +5,9 @@ Two process groups:
   with the step timeout, so that a rank that died or hangs fails the step within it;
 - control: rank 0's messages (step plans, report requests, stop), pickled and broadcast over
   gloo; rank 0 sends within the step timeout, the others wait without one, so that an idle
-  server's ranks may wait for the next step as long as it takes. A broadcast over torch.distributed reaches ranks on other nodes, which a
-  shared-memory ring would not; a step's plan is a few kilobytes (docs/tensor_parallel.md has
-  its cost).
+  server's ranks may wait for the next step as long as it takes. A broadcast over
+  torch.distributed reaches ranks on other nodes, which a shared-memory ring would not; a step's
+  plan is a few kilobytes.
 
 Ranks come from torchrun (its environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), across nodes too, or are spawned by rank 0 on this machine."""
@@ -60,10 +60,10 @@ def rank_cores(local_rank: int, local_size: int) -> list[int]:
 class RankGroup:
     """One rank's view of the group; implements kvflow.layers.tensor_parallel.Communicator."""
 
-    def __init__(self, rank: int, size: int, local_rank: int, device: torch.device, timeout_s: float,
-                 restore=None):
+    def __init__(self, rank: int, size: int, local_rank: int, local_size: int, device: torch.device,
+                 timeout_s: float, restore=None):
         self.rank = rank
-        self.local_size = 1
+        self.local_size = local_size  # the ranks on this machine
         self._restore = restore  # puts back the process's cores and threads (close)
         self._send_lock = threading.Lock()  # shutdown may come from another thread than the steps
         self.size = size
@@ -90,10 +90,12 @@ class RankGroup:
         local_size = int(env.get("LOCAL_WORLD_SIZE", size)) if local_size is None else local_size
         torch_device = torch.device(device)
         affinity, num_threads = os.sched_getaffinity(0), torch.get_num_threads()
+        joiner, joiner_ident = threading.get_native_id(), threading.get_ident()
 
-        def restore():
-            os.sched_setaffinity(0, affinity)
-            torch.set_num_threads(num_threads)
+        def restore():  # the pinning and OpenMP's thread count belong to the thread that joined
+            os.sched_setaffinity(joiner, affinity)
+            if threading.get_ident() == joiner_ident:  # another thread cannot set them for it
+                torch.set_num_threads(num_threads)
 
         if torch_device.type == "cuda":
             torch_device = torch.device("cuda", local_rank)
@@ -106,9 +108,7 @@ class RankGroup:
             backend = "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        group = cls(rank, size, local_rank, torch_device, timeout_s, restore)
-        group.local_size = local_size
-        return group
+        return cls(rank, size, local_rank, local_size, torch_device, timeout_s, restore)
 
     # ------------------------------------------------------------ Communicator (inside a step)
 

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from kvflow.engine.distributed.rank_group import RankGroup, TensorParallelError, free_port
+from kvflow.engine.distributed.rank_group import RankGroup, TensorParallelError, free_port, launched_by_torchrun
 from kvflow.engine.distributed.step_plan import RankReport, ReportRequest, StepPlan, Stop
 
 logger = logging.getLogger("kvflow")
@@ -95,8 +95,6 @@ def start_rank_group(config) -> RankGroup:
 
 def launched_by_torchrun_with(size: int) -> bool:
     """Whether torchrun started this process as one of `size` ranks (a ValueError for another count)."""
-    from kvflow.engine.distributed.rank_group import launched_by_torchrun
-
     if not launched_by_torchrun():
         return False
     world = int(os.environ["WORLD_SIZE"])
