@@ -5,7 +5,10 @@ forward pass, in bfloat16 and float32, for decode rows and for the rows of a mul
 Speculation: in that mode, greedy and seeded sampled outputs are identical with and without
 drafts in float32 and bfloat16 (batched, and under preemption and chunked prefill), stop strings,
 n > 1, max_tokens and log-probabilities included; afterwards every KV block is free and the prefix cache
-holds no block with a rejected draft in it; the metrics count what was proposed and accepted."""
+holds no block with a rejected draft in it; the metrics count what was proposed and accepted.
+Structured output: constrained requests (JSON schema, regex, choice) speculate with both
+proposers and give the tokens they give without drafts; each row's mask follows the drafts before
+it, as xgrammar's matcher stepped token by token gives it."""
 
 import pytest
 import torch
@@ -313,3 +316,103 @@ def test_server_with_drafts_answers_as_the_plain_engine_and_reports_them():
                                                                    ("ttft", "tpot", "itl", "e2e")
                                                                    for s in ("mean", "p50", "p95", "p99")}})
     assert "Acceptance rate at position 0" in text
+
+
+# ------------------------------------------------------------------------- structured output
+
+_ORDERS = ("Order 1: Alice Martin, 12 Rue de la Paix, Paris, 3 books. Order 2: Bruno Keller, 7 Hauptstrasse, "
+           "Berlin, 1 lamp. Order 3: Chika Sato, 4-2 Ginza, Tokyo, 2 cups.")
+_ORDERS_SCHEMA = {"type": "object", "required": ["orders"], "properties": {"orders": {"type": "array", "items": {
+    "type": "object", "required": ["name", "address", "city"],
+    "properties": {"name": {"type": "string"}, "address": {"type": "string"}, "city": {"type": "string"}}}}}}
+
+
+def constrained_requests(llm: LLM) -> tuple[list[list[int]], list[SamplingParams]]:
+    """An extraction whose JSON copies spans of the prompt (greedy and seeded sampled, n = 2), a
+    regex over the same text and a choice: drafts that the grammars allow and ones they forbid."""
+    from kvflow import StructuredOutputsParams
+
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Extract the orders as JSON:\n\n" + _ORDERS}]))
+    schema = StructuredOutputsParams(json=_ORDERS_SCHEMA)
+    params = [SamplingParams(temperature=0, max_tokens=160, structured_outputs=schema, logprobs=1),
+              SamplingParams(temperature=0.8, max_tokens=64, seed=3, n=2, structured_outputs=schema),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+                  regex=r"Order [0-9]: [A-Za-z ]+, [^,]+, [A-Za-z]+")),
+              SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+                  choice=["Paris", "Berlin", "Tokyo"]))]
+    return [prompt] * len(params), params
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_outputs_identical_with_and_without_drafts(method):
+    """Requests with a JSON schema, a regex and a choice (float32, batch-invariant): the same
+    tokens, text, finish reasons and log-probabilities with drafts as without, n-gram drafts
+    (cut at the first one the grammar forbids) and the draft model's (drafted under the grammar's
+    mask), each verification row masked after the drafts before it; drafts were accepted, the
+    JSON parses, and every block is free afterwards."""
+    import json
+
+    options = dict(batch_invariant=True, dequantize_weights=method == "draft_model")
+    plain = make_llm("float32", False, **options)
+    prompts, params = constrained_requests(plain)
+    reference = [plain.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    del plain
+    config = NGRAM if method == "ngram" else {"method": "draft_model", "model": "SmolLM2-135M-Instruct",
+                                              "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    llm = LLM(dtype="float32", block_size=BLOCK_SIZE, speculative_config=config, **options)
+    outputs = [run(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
+    assert_same(reference, outputs)
+    for a, b in zip(reference[0].outputs[0].logprobs, outputs[0].outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    assert json.loads(outputs[0].outputs[0].text)["orders"], outputs[0].outputs[0].text
+    extraction = outputs[0].metrics
+    assert extraction.num_draft_tokens > 0 and extraction.num_accepted_tokens > 0.3 * extraction.num_draft_tokens, \
+        (extraction.num_draft_tokens, extraction.num_accepted_tokens)
+    assert llm.engine.allocator.num_used_blocks == 0
+
+
+def test_grammar_masks_along_drafts_are_the_matchers_step_by_step():
+    """GrammarMatcher.fill_bitmasks_along against xgrammar's matcher advanced one token at a time
+    (filled, accepted, filled...): the same mask at every draft position; valid_prefix stops at
+    the first token the grammar forbids and after a stop token that completes it; neither moves
+    the matcher."""
+    from kvflow import StructuredOutputsParams
+
+    llm = LLM(dtype="float32")
+    engine, tokenizer = llm.engine, llm.tokenizer
+    constraint = SamplingParams(structured_outputs=StructuredOutputsParams(json=_ORDERS_SCHEMA))
+    tokens = tokenizer.encode('{"orders": [{"name": "Alice Martin", "address": "12 Rue de la Paix", "city": "Paris"}]}')
+    stop = min(tokenizer.stop_token_ids)
+    words = (engine.model_config.vocab_size + 31) // 32
+    grammar = engine.compile_grammar(constraint)
+    matcher, reference = engine._grammar_compiler.matcher(grammar), engine._grammar_compiler.matcher(grammar)
+
+    def mask_of(m) -> torch.Tensor:
+        mask = torch.zeros((1, words), dtype=torch.int32)
+        m.fill_bitmask(mask, 0)
+        return mask[0]
+
+    accepted = 0
+    for start in (0, 5, len(tokens) - 4):
+        for token in tokens[accepted:start]:
+            assert matcher.accept(token) and reference.accept(token)
+        accepted = start
+        drafts = tokens[start:start + 4]
+        along = torch.zeros((len(drafts) + 1, words), dtype=torch.int32)
+        matcher.fill_bitmasks_along(drafts, along, 0)
+        for j in range(len(drafts) + 1):
+            assert torch.equal(along[j], mask_of(reference)), f"drafts from token {start}: position {j}'s mask differs"
+            if j < len(drafts):
+                assert reference.accept(drafts[j])
+        reference.rollback(len(drafts))
+        assert matcher.valid_prefix(drafts[:3] + [stop] + drafts[3:]) == 3  # the JSON is not complete yet
+        assert torch.equal(mask_of(matcher), mask_of(reference)), "the matcher moved"
+    for token in tokens[accepted:]:
+        assert matcher.accept(token)
+    assert matcher.valid_prefix([stop, stop]) == 1 and not matcher.finished
+    along = torch.full((3, words), 7, dtype=torch.int32)
+    matcher.fill_bitmasks_along([stop], along, 1)  # row 2 would follow the completed grammar
+    assert not matcher.finished and along[1].count_nonzero() > 0
+    assert torch.equal(along[2], torch.full((words,), 7, dtype=torch.int32))

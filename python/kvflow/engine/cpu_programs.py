@@ -352,7 +352,7 @@ class _StaticInputs:
                     longest = max(longest, position + 1)
                     if i >= len(sampling_of) or sampling_of[i][0] is not r.sampling or sampling_of[i][1] != r.seed:
                         self._write_sampling(i, r.sampling, r.seed)
-                    needs_logits = needs_logits or sampling_of[i][2]
+                    needs_logits = needs_logits or sampling_of[i][2] or r.grammar is not None
                     i += 1
         except BaseException:
             self._filled = self.rows  # every row after the good ones padded again next step

@@ -1,7 +1,7 @@
 """A draft model's proposals: a smaller (or quantized) model of the same vocabulary runs k greedy
-decode steps of its own per verification. Its KV cache has its own tensors, indexed by the
-target's block ids: a sequence's blocks hold both models' keys and values, and the pool is sized
-for the two together.
+decode steps of its own per verification, masked by the request's grammar where it has one. Its
+KV cache has its own tensors, indexed by the target's block ids: a sequence's blocks hold both
+models' keys and values, and the pool is sized for the two together.
 
 The draft's cache only ever changes how many drafts are accepted, never which tokens come out
 (the target verifies every one), so it is kept simply: each sequence remembers which tokens it
@@ -57,25 +57,55 @@ class DraftModelProposer:
                 active.append((seq, limit))
         if not active:
             return
-        # The catch-up step: every token the draft has not seen, the last one's logits drawn.
-        batch = []
-        for seq, _ in active:
-            state = seq.proposer_state if isinstance(seq.proposer_state, _DraftState) else None
-            start = 0 if state is None else state.computed(seq)
-            seq.proposer_state = _DraftState(start, seq.tokens(start, seq.num_tokens - start), seq.num_preemptions)
-            batch.append(ScheduledRequest(seq.proposer_state.fed, start, seq.block_table, _GREEDY))
-        drafted = [[tokens[0].token_id] for tokens in self._execute(batch)]
-        for step in range(1, max(limit for _, limit in active)):
-            rows = [i for i, (_, limit) in enumerate(active) if limit > step]
+        limits = [limit for _, limit in active]
+        followed = [0] * len(active)  # drafts each constrained sequence's grammar has accepted, to undo
+        try:
+            # The catch-up step: every token the draft has not seen, the last one's logits drawn.
             batch = []
-            for i in rows:
-                seq = active[i][0]
-                seq.proposer_state.fed.append(drafted[i][-1])
-                batch.append(ScheduledRequest([drafted[i][-1]], seq.num_tokens + step - 1, seq.block_table, _GREEDY))
-            for i, tokens in zip(rows, self._execute(batch)):
-                drafted[i].append(tokens[0].token_id)
+            for seq, _ in active:
+                state = seq.proposer_state if isinstance(seq.proposer_state, _DraftState) else None
+                start = 0 if state is None else state.computed(seq)
+                seq.proposer_state = _DraftState(start, seq.tokens(start, seq.num_tokens - start), seq.num_preemptions)
+                batch.append(ScheduledRequest(seq.proposer_state.fed, start, seq.block_table, _GREEDY,
+                                              grammar=seq.grammar))
+            drafted = [[tokens[0].token_id] for tokens in self._execute(batch)]
+            self._follow_grammars(active, drafted, limits, followed)
+            for step in range(1, max(limits)):
+                rows = [i for i, limit in enumerate(limits) if limit > step]
+                if not rows:
+                    break
+                batch = []
+                for i in rows:
+                    seq = active[i][0]
+                    seq.proposer_state.fed.append(drafted[i][-1])
+                    batch.append(ScheduledRequest([drafted[i][-1]], seq.num_tokens + step - 1, seq.block_table,
+                                                  _GREEDY, grammar=seq.grammar))
+                for i, tokens in zip(rows, self._execute(batch)):
+                    drafted[i].append(tokens[0].token_id)
+                self._follow_grammars(active, drafted, limits, followed)
+        finally:
+            for (seq, _), count in zip(active, followed):
+                if count:
+                    seq.grammar.rollback(count)
         for (seq, _), tokens in zip(active, drafted):
             seq.draft_token_ids = tokens
+
+    @staticmethod
+    def _follow_grammars(active: list[tuple[Sequence, int]], drafted: list[list[int]], limits: list[int],
+                         followed: list[int]) -> None:
+        """Advances each constrained sequence's grammar by its newest draft where another draft
+        follows it, so that the next draft step is masked after it (the draft model drafts only
+        what the grammar allows); a draft that completes the grammar ends its drafting."""
+        for i, (seq, _) in enumerate(active):
+            if seq.grammar is None or len(drafted[i]) >= limits[i] or len(drafted[i]) <= followed[i]:
+                continue
+            if not seq.grammar.accept(drafted[i][-1]):  # the mask allowed it: a grammar engine fault
+                drafted[i].pop()
+                limits[i] = len(drafted[i])
+                continue
+            followed[i] += 1
+            if seq.grammar.finished:
+                limits[i] = len(drafted[i])
 
     def _execute(self, batch: list[ScheduledRequest]) -> list:
         """The draft's step over batch, split into steps whose requests write no common slot:

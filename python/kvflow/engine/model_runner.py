@@ -197,8 +197,8 @@ class ModelRunner:
 
     def _verify(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[list[SampledToken]]:
         """Speculative decoding: each request's rows (one per draft, then the last) verified by
-        rejection_sample; grammar masks and penalties first, each row's penalties counting the
-        drafts before it as output. Returns each request's accepted drafts and the token after."""
+        rejection_sample; grammar masks and penalties first, each row's mask and penalties
+        counting the drafts before it as output. Returns each request's accepted drafts and the token after."""
         params = [r.sampling for r in requests]
         cu_rows = [0]
         for r in requests:
@@ -210,9 +210,7 @@ class ModelRunner:
         if (constrained or penalized) and wants_logprobs:
             raw_logits = logits.clone()
         if constrained:
-            if any(requests[i].draft_token_ids for i in constrained):
-                raise ValueError("a request with a grammar cannot bring draft tokens")
-            self._apply_grammar_masks(logits, requests, constrained, [cu_rows[i] for i in constrained])
+            self._apply_grammar_masks_along_drafts(logits, requests, constrained, cu_rows)
         if penalized:
             row_requests, row_outputs = [], []
             for r in requests:
@@ -282,6 +280,18 @@ class ModelRunner:
         bitmask = torch.full((len(constrained), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
         for mask_row, i in enumerate(constrained):
             requests[i].grammar.fill_bitmask(bitmask, mask_row)
+        apply_token_bitmask(logits, bitmask.to(logits.device), rows)
+
+    def _apply_grammar_masks_along_drafts(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                                          constrained: list[int], cu_rows: list[int]) -> None:
+        """Each constrained request's rows (cu_rows[i] onwards, one per draft and the last):
+        row j allows the tokens its grammar allows after the request's first j drafts."""
+        rows = [row for i in constrained for row in range(cu_rows[i], cu_rows[i + 1])]
+        bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
+        mask_row = 0
+        for i in constrained:
+            requests[i].grammar.fill_bitmasks_along(requests[i].draft_token_ids, bitmask, mask_row)
+            mask_row += requests[i].num_sampled_rows
         apply_token_bitmask(logits, bitmask.to(logits.device), rows)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[ScheduledRequest],

@@ -68,9 +68,10 @@ class Speculator:
 
     def propose(self, running: list[Sequence], num_waiting: int = 0) -> None:
         """Sets draft_token_ids of each running sequence that decodes this step (one new token, a
-        sampled one) and has room: within max_tokens and the context, no grammar (its matcher
-        cannot look ahead), and its gate open; none while more than disable_by_batch_size
-        requests are running or waiting."""
+        sampled one) and has room: within max_tokens and the context, and its gate open; none
+        while more than disable_by_batch_size requests are running or waiting. A request with a
+        grammar keeps the drafts its grammar allows, up to the first it forbids (verification
+        masks each row after the drafts before it)."""
         if len(running) + num_waiting > self.max_batch:
             return
         spare_rows = None if self.max_step_rows is None else self.max_step_rows - len(running)
@@ -78,7 +79,7 @@ class Speculator:
         for seq in running:
             if spare_rows is not None and spare_rows <= 0:
                 break
-            if seq.num_uncomputed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
+            if seq.num_uncomputed_tokens != 1 or not seq.output_token_ids:
                 continue
             gate = seq.speculation
             if gate is None:
@@ -95,6 +96,9 @@ class Speculator:
                 limits.append(limit)
         if seqs:
             self.proposer.propose(seqs, limits)
+            for seq in seqs:
+                if seq.grammar is not None and seq.draft_token_ids:
+                    del seq.draft_token_ids[seq.grammar.valid_prefix(seq.draft_token_ids):]
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verification of `drafted` draft tokens of seq, `accepted` of them accepted."""

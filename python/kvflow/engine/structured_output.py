@@ -44,6 +44,42 @@ class GrammarMatcher:
         """Advances by a sampled token; False (the state unchanged) where the grammar forbids it."""
         return self._matcher.accept_token(token_id)
 
+    def rollback(self, count: int) -> None:
+        """Undoes the last count accepted tokens."""
+        if count:
+            self._matcher.rollback(count)
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of token_ids, in order, the grammar allows from here: up to the first it
+        forbids, and none after one that completes it (a stop token). The state is unchanged."""
+        count = 0
+        for token in token_ids:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            count += 1
+        if count:
+            self._matcher.rollback(count)
+        return count
+
+    def fill_bitmasks_along(self, token_ids: list[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """Speculative rows: row first_row + j of bitmask gets the tokens allowed after
+        token_ids[:j], for j = 0 .. len(token_ids), with token_ids a valid prefix (valid_prefix).
+        Rows after one that completes the grammar are left as they are: whatever is drawn there
+        is dropped, as the sample ends at its stop token. The state is unchanged."""
+        self._matcher.fill_next_token_bitmask(bitmask, first_row)
+        accepted = 0
+        for j, token in enumerate(token_ids, start=1):
+            if not self._matcher.accept_token(token):
+                if accepted:
+                    self._matcher.rollback(accepted)
+                raise ValueError(f"draft token {token} at position {j - 1} is not allowed by the request's grammar")
+            accepted += 1
+            if self._matcher.is_terminated():
+                break
+            self._matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        if accepted:
+            self._matcher.rollback(accepted)
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and a stop token was accepted: the sample ends here."""
