@@ -318,8 +318,11 @@ def reference_logits(model, ids, md, kv):
 PLAIN_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # With quantized weights the activations are rounded to 8 bits a block (1/254 of the block's
 # largest value): where the reference's float32 sums differ in their last bit, a value on a
-# rounding boundary takes the neighbouring code, and in bfloat16 many values do.
-QUANTIZED_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-1}
+# rounding boundary takes the neighbouring code, and in bfloat16 many values do. In float32 such
+# a flip is rare, but the layers after it carry it on: over 5 weight seeds of 4 formats at 1, 2
+# and 3 threads, most steps matched within 1e-6 of the range and a few reached 3.7e-3 (the
+# threads change which of the reference's last bits differ, so which values flip).
+QUANTIZED_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
 
 
 def assert_matches_plain_pytorch(model, context_lens, dtype, tolerance=PLAIN_TOLERANCE):
@@ -402,8 +405,9 @@ def test_replay_on_quantized_weights_equals_op_by_op(ggml_type, dtype, threads, 
 @pytest.mark.parametrize("ggml_type", QUANTIZED_LAYER_TYPES)
 def test_quantized_layers_match_plain_pytorch(ggml_type, dtype):
     """reference_logits multiplies the gguf package's dequantized weights by the activations
-    quantized as the formula says (quantized_activations). float32 is the sharp check (1e-3 of
-    the logits' range; measured 1e-7 to 3e-4), bfloat16 a coarse one."""
+    quantized as the formula says (quantized_activations). float32 is the sharp check (1e-2 of
+    the logits' range, for the rare flipped activation code: QUANTIZED_TOLERANCE), bfloat16 a
+    coarse one."""
     assert_matches_plain_pytorch(quantized_model(dtype, ggml_type), [5, 240, 30], dtype, QUANTIZED_TOLERANCE)
 
 
