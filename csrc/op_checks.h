@@ -574,6 +574,7 @@ struct QuantizedEmbeddingGeometry {
   cpu::QuantFormat format;
   int64_t num_tokens, vocab_size, row_bytes, hidden;
   DType out_dtype;
+  bool interleaved = false;  // the table in kvflow's interleaved layout of format (the CPU's only)
 };
 
 // out [num_tokens, hidden] = the rows of a table in GGUF blocks that token_ids (int64) name.

@@ -345,19 +345,20 @@ def test_quantized_weights_stay_in_the_files_blocks(kv_quantized, kv_fp32):
     for byte (q and k rows back in Hugging Face's order); together they take less memory than the
     file, a third of the same weights in bfloat16."""
     from kvflow.layers import Linear
-    from kvflow.ops.quantized import GGML_Q4_1, GGML_Q4_1_INTERLEAVED, GGML_Q8_0, deinterleave_rows
+    from kvflow.ops.quantized import GGML_Q4_1, GGML_Q4_1_INTERLEAVED, GGML_Q8_0, GGML_Q8_0_INTERLEAVED, deinterleave_rows
 
     model, config = kv_quantized.model, kv_quantized.config
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(projections) == 4 * config.num_layers
-    # On the CPU the loader interleaves the Q4_1 rows for the few-row kernel (same bytes).
+    # On the CPU the loader interleaves the Q4_1 and Q8_0 rows for the few-row kernel (same bytes).
     assert all(m.ggml_type == GGML_Q4_1_INTERLEAVED and m.weight.dtype == torch.uint8 for m in projections)
-    assert model.embed_tokens.ggml_type == GGML_Q8_0 and model.lm_head.ggml_type == GGML_Q8_0
+    assert model.embed_tokens.ggml_type == GGML_Q8_0_INTERLEAVED and model.lm_head.ggml_type == GGML_Q8_0_INTERLEAVED
     for ours, reference in [(model.layers[3].self_attn.qkv_proj.weight, kv_fp32.model.layers[3].self_attn.qkv_proj.weight),
                             (model.layers[0].mlp.down_proj.weight, kv_fp32.model.layers[0].mlp.down_proj.weight)]:
         values = gguf.quants.dequantize(deinterleave_rows(ours, GGML_Q4_1).numpy(), gguf.GGMLQuantizationType.Q4_1)
         assert torch.equal(torch.from_numpy(values), reference)
-    embedding = gguf.quants.dequantize(model.embed_tokens.weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    embedding = gguf.quants.dequantize(deinterleave_rows(model.embed_tokens.weight, GGML_Q8_0).numpy(),
+                                       gguf.GGMLQuantizationType.Q8_0)
     assert torch.equal(torch.from_numpy(embedding), kv_fp32.model.embed_tokens.weight)
     resident = sum(p.nbytes for p in model.parameters())
     assert resident <= os.path.getsize(kv_quantized.path)

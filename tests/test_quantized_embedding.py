@@ -1,5 +1,7 @@
-"""quantized_embedding (a table in GGUF blocks of each type quantized_linear runs) against the rows the gguf package
-dequantizes, scaled and rounded once to the output dtype; bad ids and arguments get clear errors."""
+"""quantized_embedding (a table in GGUF blocks of each type quantized_linear runs, and in the
+interleaved layout of Q4_0, Q4_1 and Q8_0 that a tied LM head keeps) against the rows the gguf
+package dequantizes, scaled and rounded once to the output dtype; bad ids and arguments get clear
+errors."""
 
 import numpy as np
 import pytest
@@ -8,7 +10,8 @@ from gguf import GGMLQuantizationType, quants
 
 from conftest import random_blocks
 from kvflow import ops
-from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q8_0, GGML_TYPE_NAMES
+from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES,
+                                  interleave_rows)
 
 
 @pytest.mark.parametrize("ggml_type", list(GGML_TYPE_NAMES))
@@ -24,6 +27,21 @@ def test_quantized_embedding_dequantizes_the_rows(ggml_type, dtype, num_tokens, 
     expected = (torch.from_numpy(rows).float() * scale).to(dtype)
     actual = ops.quantized_embedding(ids, torch.from_numpy(table), ggml_type, scale=scale, out_dtype=dtype)
     assert actual.dtype == dtype and actual.shape == (num_tokens, hidden)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("ggml_type", list(INTERLEAVED_TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_interleaved_table_gives_the_rows_of_the_file(ggml_type, dtype, cpu_isa):
+    """Every row of each group of 8 (the ids cover all 8 lanes, repeats, the first and the last
+    row), as the gguf package dequantizes the file's own rows."""
+    rng = np.random.default_rng(ggml_type)
+    table = random_blocks(ggml_type, 64, 576, rng)
+    ids = torch.tensor(list(range(16)) + [63, 0, 37, 37, 8, 55])
+    rows = quants.dequantize(table, GGMLQuantizationType[GGML_TYPE_NAMES[ggml_type]])[ids.numpy()]
+    expected = (torch.from_numpy(rows).float() * 3.0).to(dtype)
+    interleaved = interleave_rows(torch.from_numpy(table), ggml_type)
+    actual = ops.quantized_embedding(ids, interleaved, INTERLEAVED_TYPES[ggml_type], scale=3.0, out_dtype=dtype)
     assert torch.equal(actual, expected)
 
 

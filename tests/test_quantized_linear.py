@@ -120,26 +120,31 @@ def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, blocks
     assert (error <= bound * 1.001).all(), f"worst error / bound {np.max(error / bound):.3f}"
 
 
-INTERLEAVED = [GGML_Q4_0, GGML_Q4_1]
+INTERLEAVED = [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0]
 
 
 def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
     """The layout written out by hand for one group, one Q4_1 block: the 8 rows' d, their m, then
-    nibble bytes 4k..4k+3 of each row for k = 0..3."""
+    nibble bytes 4k..4k+3 of each row for k = 0..3; one Q8_0 block: the 8 rows' d, then code
+    bytes 4k..4k+3 of each row for k = 0..7."""
     weight = torch.arange(8 * 20, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(8, 20)
     expected = [weight[r, start + i] for start in (0, 2) for r in range(8) for i in (0, 1)]  # d, then m
     expected += [weight[r, 4 + 4 * k + j] for k in range(4) for r in range(8) for j in range(4)]
     assert interleave_rows(weight, GGML_Q4_1).flatten().tolist() == [int(v) for v in expected]
     assert interleave_rows(weight[:, :18].contiguous(), GGML_Q4_0).flatten()[:16].tolist() == \
         [int(weight[r, i]) for r in range(8) for i in (0, 1)]
+    q8 = torch.arange(8 * 34, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(8, 34)
+    expected = [q8[r, i] for r in range(8) for i in (0, 1)] + \
+               [q8[r, 2 + 4 * k + j] for k in range(8) for r in range(8) for j in range(4)]
+    assert interleave_rows(q8, GGML_Q8_0).flatten().tolist() == [int(v) for v in expected]
     rng = np.random.default_rng(3)
     for ggml_type in INTERLEAVED:
         blocks = torch.from_numpy(random_blocks(ggml_type, 24, 96, rng))
         assert torch.equal(deinterleave_rows(interleave_rows(blocks, ggml_type), ggml_type), blocks)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         interleave_rows(weight[:7], GGML_Q4_1)
-    with pytest.raises(ValueError, match="only Q4_0 and Q4_1"):
-        interleave_rows(torch.zeros(8, 34, dtype=torch.uint8), GGML_Q8_0)
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1 and Q8_0"):
+        interleave_rows(torch.zeros(8, 22, dtype=torch.uint8), 6)  # Q5_0
 
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED)
@@ -176,8 +181,8 @@ def test_interleaved_weights_are_refused_where_they_cannot_run():
     weight = torch.zeros(12, 20, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 8 rows, got 12"):
         ops.quantized_linear(torch.randn(1, 32), weight, GGML_Q4_1_INTERLEAVED)
-    with pytest.raises(RuntimeError, match="only quantized_linear on the CPU runs"):
-        ops.quantized_embedding(torch.tensor([0]), weight[:8], GGML_Q4_1_INTERLEAVED)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows, got 12"):
+        ops.quantized_embedding(torch.tensor([0]), weight, GGML_Q4_1_INTERLEAVED)
 
 
 def test_quantized_linear_rows_do_not_interfere(cpu_isa):

@@ -36,7 +36,7 @@ KernelTable make_avx512_table() {
     table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
     table.dequantize_panel[format] = avx2_kernels().dequantize_panel[format];
   }
-  for (int base = 0; base < 2; ++base) {
+  for (int base = 0; base < kNumInterleavedFormats; ++base) {
     table.quantized_linear_interleaved[base] = avx2_kernels().quantized_linear_interleaved[base];
   }
   return table;

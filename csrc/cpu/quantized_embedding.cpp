@@ -1,7 +1,10 @@
-// quantized_embedding on the CPU: the embedding lookup on a table kept in GGUF blocks. Every
-// token id is range-checked before any row is written; each row is then dequantized chunk by
-// chunk (and scaled, where asked) into out's dtype, tokens split across threads.
+// quantized_embedding on the CPU: the embedding lookup on a table kept in GGUF blocks, or in
+// kvflow's interleaved layout of them (an LM head's weight tied to the table: gguf_blocks.h).
+// Every token id is range-checked before any row is written; each row is then dequantized chunk
+// by chunk (and scaled, where asked) into out's dtype, tokens split across threads.
 #include <ATen/Parallel.h>
+
+#include <vector>
 
 #include "kvflow/cpu/gguf_blocks.h"
 #include "op_checks.h"
@@ -14,7 +17,15 @@ namespace {
 
 QuantizedEmbeddingGeometry check_quantized_embedding(const at::Tensor& out, const at::Tensor& token_ids,
                                                      const at::Tensor& weight, int64_t ggml_type) {
-  return check_quantized_embedding_args(out, token_ids, weight, ggml_type, c10::DeviceType::CPU);
+  const int64_t base_type = interleaved_base_type(ggml_type);
+  QuantizedEmbeddingGeometry g = check_quantized_embedding_args(out, token_ids, weight,
+                                                                base_type >= 0 ? base_type : ggml_type,
+                                                                c10::DeviceType::CPU);
+  g.interleaved = base_type >= 0;
+  TORCH_CHECK(!g.interleaved || g.vocab_size % kInterleavedRows == 0, "quantized_embedding: a table of type ",
+              ggml_type, " (rows interleaved in groups of ", kInterleavedRows, ") has a multiple of ",
+              kInterleavedRows, " rows, got ", g.vocab_size);
+  return g;
 }
 
 template <typename T>
@@ -22,8 +33,13 @@ void dequantize_rows(T* out, const int64_t* ids, const uint8_t* weight, const Qu
                      float scale, int64_t begin, int64_t end) {
   const int64_t block_bytes = quant_block_bytes(g.format), chunks = quant_block_chunks(g.format);
   float values[kQuantBlock];
+  std::vector<uint8_t> gathered(g.interleaved ? size_t(g.row_bytes) : 0);
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* row = weight + ids[t] * g.row_bytes;
+    if (g.interleaved) {
+      gather_interleaved_rows(weight, g.row_bytes, g.format, ids[t], 1, gathered.data());
+      row = gathered.data();
+    }
     T* dst = out + t * g.hidden;
     for (int64_t b = 0; b < g.hidden / kQuantBlock; ++b) {
       dequantize_chunk(g.format, row + b / chunks * block_bytes, int(b % chunks), values);

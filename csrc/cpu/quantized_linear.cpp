@@ -45,7 +45,7 @@ struct QuantizedLinearPlan {
 
 // The active instruction set's kernel for an interleaved weight, or null where it has none.
 QuantizedLinearFn interleaved_kernel(const QuantizedLinearPlan& g) {
-  return g.interleaved ? active_kernels().quantized_linear_interleaved[g.format == int(QuantFormat::kQ4_1)] : nullptr;
+  return g.interleaved ? active_kernels().quantized_linear_interleaved[interleaved_index(QuantFormat(g.format))] : nullptr;
 }
 
 // Bytes of GGUF rows a thread gathers from an interleaved weight where the instruction set has

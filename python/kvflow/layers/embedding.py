@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from kvflow.layers.linear import PackedWeight, quantized_parameter
+from kvflow.layers.linear import PackedWeight, interleaved_parameter, quantized_parameter
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.ops.linear import takes_small_linear
 
@@ -66,6 +66,15 @@ class VocabEmbedding(nn.Module):
         if parameter is None:
             return False
         self.weight, self.ggml_type = parameter, ggml_type
+        return True
+
+    def interleave_rows(self) -> bool:
+        """As Linear.interleave_rows, for the table (and an LM head tied to it): the lookup
+        gathers a row's blocks, the LM head's product multiplies 8 rows at once."""
+        parameter = interleaved_parameter(self.weight, self.ggml_type)
+        if parameter is None:
+            return False
+        self.weight, self.ggml_type = parameter
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path
@@ -134,6 +143,14 @@ class LMHead(nn.Module):
         if parameter is None:
             return False
         self.weight, self.own_ggml_type = parameter, ggml_type
+        return True
+
+    def interleave_rows(self) -> bool:
+        """As Linear.interleave_rows, for an untied weight (a tied one follows the embedding's)."""
+        parameter = None if self.tied_to is not None else interleaved_parameter(self.weight, self.own_ggml_type)
+        if parameter is None:
+            return False
+        self.weight, self.own_ggml_type = parameter
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

@@ -23,6 +23,17 @@ def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | 
                                     dtype=torch.uint8, device=weight.device), requires_grad=False)
 
 
+def interleaved_parameter(weight: torch.Tensor, ggml_type: int | None) -> tuple[nn.Parameter, int] | None:
+    """A CPU weight in the GGUF blocks of a type that interleaves (Q4_0, Q4_1, Q8_0), of whole
+    groups of rows, in kvflow's interleaved layout (kvflow.ops.quantized.interleave_rows: same
+    bytes, 8 rows multiplied at once by the few-row kernel), with its type id; None for any
+    other weight."""
+    if not (ggml_type in INTERLEAVED_TYPES and weight.is_cpu and weight.shape[0] % INTERLEAVED_ROWS == 0):
+        return None
+    return (nn.Parameter(interleave_rows(weight.data, ggml_type), requires_grad=False),
+            INTERLEAVED_TYPES[ggml_type])
+
+
 class PackedWeight:
     """A bfloat16 CPU weight [out_features, in_features] reordered once, at load, into the panels of
     kvflow's packed_linear kernel, for many-row products (prefill, batched decode). torch's matmul
@@ -117,13 +128,12 @@ class Linear(nn.Module):
         return True
 
     def interleave_rows(self) -> bool:
-        """Puts a Q4_0 or Q4_1 CPU weight of whole groups of rows into kvflow's interleaved layout
-        (kvflow.ops.quantized.interleave_rows: same bytes, 8 rows multiplied at once by the
-        few-row kernel). False, changing nothing, for any other weight. Call after loading."""
-        if not (self.ggml_type in INTERLEAVED_TYPES and self.weight.is_cpu and self.out_features % INTERLEAVED_ROWS == 0):
+        """Puts the weight into kvflow's interleaved layout where it can (interleaved_parameter).
+        False, changing nothing, for any other weight. Call after loading."""
+        parameter = interleaved_parameter(self.weight, self.ggml_type)
+        if parameter is None:
             return False
-        self.weight = nn.Parameter(interleave_rows(self.weight.data, self.ggml_type), requires_grad=False)
-        self.ggml_type = INTERLEAVED_TYPES[self.ggml_type]
+        self.weight, self.ggml_type = parameter
         return True
 
     __call__ = forward  # see kvflow.layers: no nn.Module hooks on the per-token path

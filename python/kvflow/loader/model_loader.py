@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.layers import Linear
+from kvflow.layers import Linear, LMHead, VocabEmbedding
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.memory import available_memory_bytes
@@ -139,8 +139,8 @@ def packable(module: torch.nn.Module) -> bool:
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0,
                         memory_share: float = 1.0) -> None:
     """Packed copies of the projection weights for many-row products (where prepack and the
-    model can), Q4_0 and Q4_1 projections in the interleaved layout of the few-row kernel
-    (Linear.interleave_rows), then every weight into huge pages, in the order a forward pass
+    model can), Q4_0, Q4_1 and Q8_0 projections, embeddings and LM heads in the interleaved layout
+    of the few-row kernel (interleave_rows), then every weight into huge pages, in the order a forward pass
     reads them.
 
     The copies double the weights' memory, so they are made only while they fit in what is
@@ -156,6 +156,6 @@ def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: i
                            "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "
                            "weights", packed, wanted, (available or 0) / 2**30, reserved_bytes / 2**30)
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, VocabEmbedding, LMHead)):
             module.interleave_rows()
     move_parameters_to_huge_pages(model)

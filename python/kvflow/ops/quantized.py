@@ -14,12 +14,13 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
                    GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K", GGML_Q6_K: "Q6_K"}
 
 
-# kvflow's interleaved layout of Q4_0 and Q4_1 weights on the CPU (csrc's gguf_blocks.h): rows in
-# groups of INTERLEAVED_ROWS, each group's blocks stored together so that the few-row kernel
-# multiplies 8 rows at once. Same bytes as the file's rows; made at load by interleave_rows.
+# kvflow's interleaved layout of Q4_0, Q4_1 and Q8_0 weights on the CPU (csrc's gguf_blocks.h):
+# rows in groups of INTERLEAVED_ROWS, each group's blocks stored together so that the few-row
+# kernel multiplies 8 rows at once. Same bytes as the file's rows; made at load by interleave_rows.
 INTERLEAVED_ROWS = 8
-GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1
-INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED}
+GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1, 1000 + GGML_Q8_0
+INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED,
+                     GGML_Q8_0: GGML_Q8_0_INTERLEAVED}
 
 
 def type_name(ggml_type: int) -> str:
@@ -31,17 +32,19 @@ def type_name(ggml_type: int) -> str:
 
 
 def _interleaved_header(ggml_type: int) -> int:
-    """The bytes of a Q4_0 (d) or Q4_1 (d, m) block before its nibbles; a ValueError for any other type."""
+    """The bytes of a Q4_0 or Q8_0 (d) or Q4_1 (d, m) block before its codes; a ValueError for any
+    other type."""
     if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0 and Q4_1 weights interleave, got GGML type {ggml_type}")
+        raise ValueError(f"only Q4_0, Q4_1 and Q8_0 weights interleave, got GGML type {ggml_type}")
     return 4 if ggml_type == GGML_Q4_1 else 2
 
 
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0 or Q4_1 weight uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS) in the
-    interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and each
-    block, the 8 rows' d, then (Q4_1) their 8 m, then 4 pieces of 32 bytes, piece k holding nibble
-    bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
+    """A Q4_0, Q4_1 or Q8_0 weight uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS)
+    in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and
+    each block, the 8 rows' d, then (Q4_1) their 8 m, then pieces of 32 bytes (4 of nibbles, 8 of
+    Q8_0's codes), piece k holding code bytes 4k..4k+3 of each row in turn. Same shape and
+    bytes, rearranged."""
     header = _interleaved_header(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:
@@ -49,12 +52,13 @@ def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     block_bytes = BLOCK_BYTES[ggml_type]
     blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
     scales = [blocks[..., i:i + 2].transpose(1, 2).flatten(2) for i in range(0, header, 2)]  # [groups, blocks, 16]
-    nibbles = blocks[..., header:].unflatten(-1, (4, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 128]
-    return torch.cat(scales + [nibbles], dim=-1).reshape(rows, row_bytes).contiguous()
+    pieces = (block_bytes - header) // 4
+    codes = blocks[..., header:].unflatten(-1, (pieces, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 32 pieces]
+    return torch.cat(scales + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
 def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The inverse of interleave_rows: a weight in the interleaved layout of Q4_0 or Q4_1
+    """The inverse of interleave_rows: a weight in the interleaved layout of Q4_0, Q4_1 or Q8_0
     (ggml_type the GGML type) back in the GGUF file's rows."""
     header = _interleaved_header(ggml_type)
     rows, row_bytes = weight.shape
@@ -62,8 +66,9 @@ def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     groups = weight.reshape(rows // INTERLEAVED_ROWS, row_bytes // block_bytes, INTERLEAVED_ROWS * block_bytes)
     scales = [groups[..., 8 * i:8 * i + 16].unflatten(-1, (INTERLEAVED_ROWS, 2)).transpose(1, 2)
               for i in range(0, header, 2)]  # [groups, 8, blocks, 2]
-    nibbles = groups[..., 8 * header:].unflatten(-1, (4, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
-    return torch.cat(scales + [nibbles], dim=-1).reshape(rows, row_bytes).contiguous()
+    pieces = (block_bytes - header) // 4
+    codes = groups[..., 8 * header:].unflatten(-1, (pieces, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
+    return torch.cat(scales + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
 def quantized_row_bytes(in_features: int, ggml_type: int) -> int:
@@ -90,10 +95,12 @@ def quantized_linear(input: torch.Tensor, weight: torch.Tensor, ggml_type: int, 
 def quantized_embedding(token_ids: torch.Tensor, weight: torch.Tensor, ggml_type: int, scale: float = 1.0,
                         out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The rows token_ids names of a table kept in GGUF blocks (weight uint8 [vocab_size, row bytes]
-    of GGML type ggml_type, as for quantized_linear), dequantized into out_dtype and times scale:
+    of GGML type ggml_type, as for quantized_linear; on the CPU also in the interleaved layout of
+    INTERLEAVED_TYPES, as a tied LM head keeps it), dequantized into out_dtype and times scale:
     [num_tokens, hidden]. An id outside the table raises before any row is written."""
     if out is None:
-        hidden = weight.shape[1] // BLOCK_BYTES.get(ggml_type, 1) * BLOCK_VALUES.get(ggml_type, 1)
+        base = {v: k for k, v in INTERLEAVED_TYPES.items()}.get(ggml_type, ggml_type)
+        hidden = weight.shape[1] // BLOCK_BYTES.get(base, 1) * BLOCK_VALUES.get(base, 1)
         out = torch.empty((token_ids.shape[0], hidden), dtype=out_dtype, device=weight.device)
     torch.ops.kvflow.quantized_embedding(out, token_ids, weight, ggml_type, scale)
     return out

@@ -244,27 +244,39 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0 and Q4_1 weights, made once at load for the CPU's products
-// (type id kInterleavedTypeBase + the GGML type). The rows go in groups of kInterleavedRows; a
-// group stores block b of its 8 rows together: the 8 rows' d, then (Q4_1) their 8 m, then four
-// 32-byte pieces, piece k holding nibble bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The
-// same bytes as the GGUF rows, so the same memory; a row's 32-bit lane in each piece lets the
-// AVX2 kernel multiply 8 rows with one instruction, and convert their 8 scales with another.
+// kvflow's interleaved layout of Q4_0, Q4_1 and Q8_0 weights, made once at load for the CPU's
+// products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
+// kInterleavedRows; a group stores block b of its 8 rows together: the 8 rows' d, then (Q4_1)
+// their 8 m, then 32-byte pieces (four of nibbles, eight of Q8_0's codes), piece k holding code
+// bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows, so the same
+// memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with one
+// instruction, and convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
+constexpr int kNumInterleavedFormats = 3;  // Q4_0, Q4_1, Q8_0
 
-// The GGML type an interleaved type id lays out (Q4_0 or Q4_1), or -1 for any other id.
+// The GGML type an interleaved type id lays out (Q4_0, Q4_1 or Q8_0), or -1 for any other id.
 KVFLOW_HOST_DEVICE constexpr int64_t interleaved_base_type(int64_t type) {
-  return type == kInterleavedTypeBase + int64_t(GgufType::kQ4_0) || type == kInterleavedTypeBase + int64_t(GgufType::kQ4_1)
+  return type == kInterleavedTypeBase + int64_t(GgufType::kQ4_0) ||
+                 type == kInterleavedTypeBase + int64_t(GgufType::kQ4_1) ||
+                 type == kInterleavedTypeBase + int64_t(GgufType::kQ8_0)
              ? type - kInterleavedTypeBase
              : -1;
 }
+
+// The index of an interleaved format among KernelTable::quantized_linear_interleaved's entries.
+constexpr int interleaved_index(QuantFormat f) {
+  return f == QuantFormat::kQ4_0 ? 0 : f == QuantFormat::kQ4_1 ? 1 : 2;
+}
+
+// The bytes of an interleaved block's header (d, and Q4_1's m) for one row.
+constexpr int64_t interleaved_header_bytes(QuantFormat f) { return f == QuantFormat::kQ4_1 ? 4 : 2; }
 
 // Rows [first, first + count) of a weight in the interleaved layout, written out in GGUF's
 // (count * row_bytes bytes): what the kernels without an interleaved version read.
 inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, QuantFormat f, int64_t first,
                                     int64_t count, uint8_t* out) {
-  const int64_t bytes = quant_block_bytes(f), blocks = row_bytes / bytes, header = has_offset(f) ? 4 : 2;
+  const int64_t bytes = quant_block_bytes(f), blocks = row_bytes / bytes, header = interleaved_header_bytes(f);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = first + i, r = row % kInterleavedRows;
     const uint8_t* group = weight + row / kInterleavedRows * kInterleavedRows * row_bytes;
@@ -273,7 +285,7 @@ inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, Qu
       uint8_t* block = out + i * row_bytes + b * bytes;
       std::memcpy(block, src + 2 * r, 2);
       if (header == 4) std::memcpy(block + 2, src + 2 * kInterleavedRows + 2 * r, 2);
-      for (int k = 0; k < 4; ++k) {
+      for (int64_t k = 0; k < (bytes - header) / 4; ++k) {
         std::memcpy(block + header + 4 * k, src + header * kInterleavedRows + 32 * k + 4 * r, 4);
       }
     }

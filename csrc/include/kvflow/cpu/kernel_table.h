@@ -199,7 +199,7 @@ struct KernelTable {
   // The same products on the interleaved layout (gguf_blocks.h), [begin, end) whole groups of
   // kInterleavedRows; null where the instruction set has none (quantized_linear.cpp then
   // gathers the rows back into GGUF's layout for the entry above).
-  QuantizedLinearFn quantized_linear_interleaved[2];  // [Q4_0, Q4_1]
+  QuantizedLinearFn quantized_linear_interleaved[kNumInterleavedFormats];  // [interleaved_index]
   QuantizeActivationsFn quantize_activations[2];         // [input is bfloat16]
 };
 

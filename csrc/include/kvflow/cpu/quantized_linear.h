@@ -117,7 +117,7 @@ void fill_quantized_entries(KernelTable& t, std::integer_sequence<int, kFormats.
   t.quantize_activations[1] = quantize_activations<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotGeneric<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel<QuantFormat(kFormats)>), ...);
-  t.quantized_linear_interleaved[0] = t.quantized_linear_interleaved[1] = nullptr;
+  for (QuantizedLinearFn& kernel : t.quantized_linear_interleaved) kernel = nullptr;
 }
 
 }  // namespace

@@ -226,6 +226,51 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
 }
 
+// interleaved_group_avx2 for Q8_0: eight 32-byte pieces a block, each 4 codes of every row. The
+// codes are signed, so vpmaddubsw takes |w| against x carrying w's sign; its pair sums (up to
+// 2 x 127 x 127) leave no room for a 16-bit sum over pieces, so each is widened (vpmaddwd) and
+// added in 32 bits.
+template <int kRows>
+void interleaved_group_q8_0_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  constexpr int64_t kBytes = quant_block_bytes(QuantFormat::kQ8_0), kHeader = 2;
+  constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
+  constexpr int64_t kAheadBytes = 2048;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
+    __m256i sums[kRows];
+    for (int k = 0; k < 8; ++k) {
+      const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+      const __m256i magnitude = _mm256_sign_epi8(piece, piece);
+      for (int r = 0; r < kRows; ++r) {
+        const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + b) * kQuantBlock);
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(int32_t(block_word(xq + 4 * k))), piece);
+        const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), ones);
+        sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    for (int r = 0; r < kRows; ++r) {
+      const float scale = x.scale_sum[2 * ((r0 + r) * x.blocks + b)];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(scale)), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+}
+
+// One group's product on the interleaved layout of format F.
+template <QuantFormat F, int kRows>
+void interleaved_group(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  if constexpr (F == QuantFormat::kQ8_0) {
+    interleaved_group_q8_0_avx2<kRows>(group, x, r0, out);
+  } else {
+    interleaved_group_avx2<F, kRows>(group, x, r0, out);
+  }
+}
+
 // QuantizedLinearFn on the interleaved layout; begin and end are multiples of kInterleavedRows.
 template <QuantFormat F>
 void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
@@ -239,10 +284,10 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
       __m256 sums[kRowTile];
       const int n = int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_group_avx2<F, 1>(group, x, r0, sums); break;
-        case 2: interleaved_group_avx2<F, 2>(group, x, r0, sums); break;
-        case 3: interleaved_group_avx2<F, 3>(group, x, r0, sums); break;
-        default: interleaved_group_avx2<F, 4>(group, x, r0, sums); break;
+        case 1: interleaved_group<F, 1>(group, x, r0, sums); break;
+        case 2: interleaved_group<F, 2>(group, x, r0, sums); break;
+        case 3: interleaved_group<F, 3>(group, x, r0, sums); break;
+        default: interleaved_group<F, 4>(group, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
@@ -406,8 +451,9 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantize_activations[1] = quantize_activations_avx2<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotAvx2<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel_avx2<QuantFormat(kFormats)>), ...);
-  t.quantized_linear_interleaved[0] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_0>;
-  t.quantized_linear_interleaved[1] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_1>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_0>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_1>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ8_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ8_0>;
 }
 
 }  // namespace
