@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import kvflow
 from kvflow import ops, platform
 from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_K, GGML_Q5_0, GGML_Q5_1,
-                                  GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_TYPE_NAMES, quantized_row_bytes)
+                                  GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES, interleave_rows,
+                                  quantized_row_bytes)
 from timing import read_bandwidth, timed, write_markdown
 
 
@@ -236,6 +237,43 @@ def quantized_linear_table(rows_grid, shapes, repeat, device="cpu") -> list[str]
     return lines
 
 
+def interleaved_table(rows_grid, shapes, repeat) -> list[str]:
+    """quantized_linear on the CPU on each interleavable type (INTERLEAVED_TYPES) in GGUF's layout
+    and in kvflow's interleaved layout, weights from memory, bfloat16 input: from 32 rows the GGUF
+    layout takes the dequantized panels, the interleaved one its int8 kernel at every count."""
+    names = [GGML_TYPE_NAMES[t] for t in INTERLEAVED_TYPES]
+    lines = ["", "quantized_linear on cpu, GGUF layout against interleaved (speedup = GGUF time / interleaved "
+             "time), weights from memory, same run", "",
+             "| rows x in -> out | " + " | ".join(f"{n} GGUF (us) | {n} interleaved (us) | speedup" for n in names)
+             + " |", "|---|" + "---:|---:|---:|" * len(names)]
+    print("\n".join(lines), flush=True)
+    rng = np.random.default_rng(0)
+    for in_features, out_features in shapes:
+        layouts = {}
+        for ggml_type, layout in INTERLEAVED_TYPES.items():
+            first = random_gguf_blocks(ggml_type, out_features, in_features, rng)
+            nbytes = first.numel()
+            copies = [first] + [first.clone() for _ in range(-(-(256 << 20) // nbytes) - 1)]
+            layouts[ggml_type] = [(copies, ggml_type), ([interleave_rows(c, ggml_type) for c in copies], layout)]
+        for rows in rows_grid:
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+            line = f"| {rows} x {in_features} -> {out_features} |"
+            for pair in layouts.values():
+                times = []
+                for weights, type_id in pair:
+                    def run(weights=weights, type_id=type_id):
+                        for weight in weights:
+                            ops.quantized_linear(x, weight, type_id, out=out)
+
+                    times.append(timed(run, "cpu", 1, max(3, repeat // 10)) / len(weights))
+                line += f" {times[0] * 1e6:.1f} | {times[1] * 1e6:.1f} | {times[0] / times[1]:.2f}x |"
+            lines.append(line)
+            print(line, flush=True)
+        del layouts
+    return lines
+
+
 def packed_linear_table(rows_grid, shapes, repeat) -> list[str]:
     """packed_linear against torch's matmul on the same products, bfloat16: prefill's and batched
     decode's many-row products, bound by arithmetic, so compared in GFLOP/s. The peers are
@@ -344,6 +382,8 @@ def main():
                         help="rows for the packed_linear table (CPU, bfloat16 only; empty to skip)")
     parser.add_argument("--quantized-rows", type=int, nargs="*", default=[1, 4],
                         help="rows for the quantized_linear table (empty to skip)")
+    parser.add_argument("--interleaved-rows", type=int, nargs="*", default=[1, 2, 5, 16, 64],
+                        help="rows for the GGUF against interleaved layout table (CPU only; empty to skip)")
     parser.add_argument("--markdown", default=None, help="also write the table to this file")
     args = parser.parse_args()
 
@@ -387,6 +427,9 @@ def main():
         shapes = [(576, 3072), (576, 49152), (1536, 8960), (4096, 14336)]
         rows += quantized_linear_table(args.quantized_rows, shapes if args.device == "cpu" else shapes[2:],
                                        args.repeat, args.device)
+    if args.device == "cpu" and args.interleaved_rows and not args.ops:
+        # SmolLM2-135M's gate|up, down and LM head (tied to the embedding).
+        rows += interleaved_table(args.interleaved_rows, [(576, 3072), (1536, 576), (576, 49152)], args.repeat)
     write_markdown(args.markdown, header + rows)
 
 

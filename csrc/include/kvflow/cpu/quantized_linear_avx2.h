@@ -234,7 +234,7 @@ template <int kRows>
 void interleaved_group_q8_0_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kBytes = quant_block_bytes(QuantFormat::kQ8_0), kHeader = 2;
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
-  constexpr int64_t kAheadBytes = 2048;
+  constexpr int64_t kAheadBytes = 4096;  // about as many blocks ahead as the 4-bit kernel's 2048 bytes
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
