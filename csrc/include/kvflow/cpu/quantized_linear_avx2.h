@@ -185,31 +185,51 @@ struct QuantDotAvx2 {
 
 // One group of 8 weight rows in the interleaved layout (gguf_blocks.h) times input rows
 // r0 .. r0 + kRows: out[r][j] = row j of the group . input row r0 + r. Per block, each 32-byte
-// piece's low and high nibbles are 4 weights of each of the 8 rows (row j in 32-bit lane j);
-// vpmaddubsw against the input's matching 4 codes, broadcast to every lane, gives each row's
-// pair sums, added in 16 bits over the block's 8 half-pieces (at most 8 x 2 x 15 x 127 = 30480,
-// no overflow) and widened once. The 8 rows' scales convert in one vcvtph2ps.
+// piece holds 4 codes of each of the 8 rows (row j in 32-bit lane j); vpmaddubsw against the
+// input's matching 4 codes, broadcast to every lane, gives each row's pair sums. The 8 rows'
+// scales convert in one vcvtph2ps.
+// - Q4_0, Q4_1: a piece's low and high nibbles are two sets of 4 codes; the pair sums add in 16
+//   bits over the block's 8 half-pieces (at most 8 x 2 x 15 x 127 = 30480, no overflow) and
+//   widen once.
+// - Q8_0: eight pieces of signed codes, so vpmaddubsw takes |w| against x carrying w's sign; its
+//   pair sums (up to 2 x 127 x 127) leave no room for a 16-bit sum, so each piece's widen
+//   (vpmaddwd) and add in 32 bits.
 template <QuantFormat F, int kRows>
 void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
-  constexpr int64_t kBytes = quant_block_bytes(F), kHeader = has_offset(F) ? 4 : 2;
+  constexpr bool kSigned = F == QuantFormat::kQ8_0;
+  constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
-  constexpr int64_t kAheadBytes = 2048;
+  constexpr int64_t kAheadBytes = kSigned ? 4096 : 2048;  // about as many blocks ahead either way
   const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = group + b * kGroupBlock;
     for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
-    __m256i sums[kRows];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
-      const __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
-      for (int r = 0; r < kRows; ++r) {
-        const int8_t* xq = x.q + ((r0 + r) * x.blocks + b) * kQuantBlock;
-        const __m256i products =
-            _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(int32_t(block_word(reinterpret_cast<const uint8_t*>(xq) + 4 * k)))),
-                             _mm256_maddubs_epi16(high, _mm256_set1_epi32(int32_t(block_word(reinterpret_cast<const uint8_t*>(xq) + 16 + 4 * k)))));
-        sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+    auto input_word = [&](int r, int byte) {  // 4 input codes of row r0 + r, from byte `byte` of its chunk b
+      const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + b) * kQuantBlock);
+      return _mm256_set1_epi32(int32_t(block_word(xq + byte)));
+    };
+    __m256i sums[kRows];  // Q4: 16-bit pair sums; Q8_0: 32-bit sums
+    if constexpr (kSigned) {
+      for (int k = 0; k < 8; ++k) {
+        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+        const __m256i magnitude = _mm256_sign_epi8(piece, piece);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i products =
+              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(input_word(r, 4 * k), piece)), ones);
+          sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
+        }
+      }
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+        const __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, input_word(r, 4 * k)),
+                                                    _mm256_maddubs_epi16(high, input_word(r, 16 + 4 * k)));
+          sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+        }
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
@@ -218,57 +238,12 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
                                    : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      const __m256 dot = _mm256_cvtepi32_ps(kSigned ? sums[r] : _mm256_madd_epi16(sums[r], ones));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale_sum[0])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
+      if constexpr (!kSigned) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
-}
-
-// interleaved_group_avx2 for Q8_0: eight 32-byte pieces a block, each 4 codes of every row. The
-// codes are signed, so vpmaddubsw takes |w| against x carrying w's sign; its pair sums (up to
-// 2 x 127 x 127) leave no room for a 16-bit sum over pieces, so each is widened (vpmaddwd) and
-// added in 32 bits.
-template <int kRows>
-void interleaved_group_q8_0_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
-  constexpr int64_t kBytes = quant_block_bytes(QuantFormat::kQ8_0), kHeader = 2;
-  constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
-  constexpr int64_t kAheadBytes = 4096;  // about as many blocks ahead as the 4-bit kernel's 2048 bytes
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* block = group + b * kGroupBlock;
-    for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
-    __m256i sums[kRows];
-    for (int k = 0; k < 8; ++k) {
-      const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
-      const __m256i magnitude = _mm256_sign_epi8(piece, piece);
-      for (int r = 0; r < kRows; ++r) {
-        const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + b) * kQuantBlock);
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(int32_t(block_word(xq + 4 * k))), piece);
-        const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), ones);
-        sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    for (int r = 0; r < kRows; ++r) {
-      const float scale = x.scale_sum[2 * ((r0 + r) * x.blocks + b)];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(scale)), acc[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
-}
-
-// One group's product on the interleaved layout of format F.
-template <QuantFormat F, int kRows>
-void interleaved_group(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
-  if constexpr (F == QuantFormat::kQ8_0) {
-    interleaved_group_q8_0_avx2<kRows>(group, x, r0, out);
-  } else {
-    interleaved_group_avx2<F, kRows>(group, x, r0, out);
-  }
 }
 
 // QuantizedLinearFn on the interleaved layout; begin and end are multiples of kInterleavedRows.
@@ -284,10 +259,10 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
       __m256 sums[kRowTile];
       const int n = int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_group<F, 1>(group, x, r0, sums); break;
-        case 2: interleaved_group<F, 2>(group, x, r0, sums); break;
-        case 3: interleaved_group<F, 3>(group, x, r0, sums); break;
-        default: interleaved_group<F, 4>(group, x, r0, sums); break;
+        case 1: interleaved_group_avx2<F, 1>(group, x, r0, sums); break;
+        case 2: interleaved_group_avx2<F, 2>(group, x, r0, sums); break;
+        case 3: interleaved_group_avx2<F, 3>(group, x, r0, sums); break;
+        default: interleaved_group_avx2<F, 4>(group, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
