@@ -210,7 +210,7 @@ class ModelRunner:
         if (constrained or penalized) and wants_logprobs:
             raw_logits = logits.clone()
         if constrained:
-            self._apply_grammar_masks_along_drafts(logits, requests, constrained, cu_rows)
+            self._apply_grammar_masks(logits, requests, constrained, [cu_rows[i] for i in constrained])
         if penalized:
             row_requests, row_outputs = [], []
             for r in requests:
@@ -274,19 +274,12 @@ class ModelRunner:
         return results
 
     def _apply_grammar_masks(self, logits: torch.Tensor, requests: list[ScheduledRequest], constrained: list[int],
-                             rows: list[int]) -> None:
-        """Each constrained request's allowed next tokens, from its grammar matcher on the host, as
-        -inf elsewhere in its logits row (rows[m] for constrained[m])."""
-        bitmask = torch.full((len(constrained), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
-        for mask_row, i in enumerate(constrained):
-            requests[i].grammar.fill_bitmask(bitmask, mask_row)
-        apply_token_bitmask(logits, bitmask.to(logits.device), rows)
-
-    def _apply_grammar_masks_along_drafts(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-                                          constrained: list[int], cu_rows: list[int]) -> None:
-        """Each constrained request's rows (cu_rows[i] onwards, one per draft and the last):
-        row j allows the tokens its grammar allows after the request's first j drafts."""
-        rows = [row for i in constrained for row in range(cu_rows[i], cu_rows[i + 1])]
+                             first_rows: list[int]) -> None:
+        """Each constrained request's allowed tokens, from its grammar matcher on the host, as
+        -inf elsewhere in its logits rows: request constrained[m]'s rows start at first_rows[m],
+        one per draft and the last, row j allowing what its grammar allows after its first j
+        drafts (a request without drafts has the one row)."""
+        rows = [first + j for i, first in zip(constrained, first_rows) for j in range(requests[i].num_sampled_rows)]
         bitmask = torch.full((len(rows), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
         mask_row = 0
         for i in constrained:
