@@ -8,7 +8,10 @@ so that the machine's drift falls on both alike; the ratios are per pair.
   bandwidth measured right before and right after the pair (a sum over a 512 MB tensor);
 - offline: 64 prompts of 128 random tokens at once, 128 tokens out each, output tokens per second
   of wall time (prefill included);
-- the resident memory a fresh process gains by loading each.
+- the resident memory a fresh process gains by loading each;
+- perplexity over a fixed English text (the input-grounded prompts of
+  benchmarks/data/speculative_prompts.json, one prefill) through the quantized weights with
+  bf16 activations, against the same file dequantized to float32 (the issue's bound: within 1%).
 
     python benchmarks/bench_quantized.py                      # the embedded Q4_1 model
     python benchmarks/bench_quantized.py --model model.Q8_0.gguf --rounds 5
@@ -28,10 +31,16 @@ import sys
 import tempfile
 import time
 
+import json
+import math
+from pathlib import Path
+
 import torch
 
 from kvflow import LLM, SamplingParams, platform
-from kvflow.loader import resolve_model_path
+from kvflow.attention_metadata import AttentionMetadata
+from kvflow.engine.kv_cache import allocate_kv_caches
+from kvflow.loader import load_model, resolve_model_path
 from timing import read_bandwidth, write_markdown
 
 _RSS_PROBE = """
@@ -50,6 +59,24 @@ def loaded_rss(model: str | None, dequantize: bool) -> int:
     out = subprocess.run([sys.executable, "-c", _RSS_PROBE, model or "", "1" if dequantize else "0"],
                          capture_output=True, text=True, check=True).stdout.split()
     return int(out[-1])
+
+
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "speculative_prompts.json"
+PERPLEXITY_BLOCK_SIZE = 16
+
+
+def perplexity(model: str | None, dtype: torch.dtype, dequantize: bool) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of the fixed text's tokens given their prefixes, from one
+    prefill of the model loaded with these weights and activations; and the token count."""
+    lm = load_model(model, dtype, dequantize_weights=dequantize)
+    text = "\n\n".join(json.loads(PERPLEXITY_TEXT.read_text())["grounded"])
+    ids = lm.tokenizer.encode(text)[:1024]
+    blocks = -(-len(ids) // PERPLEXITY_BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(lm.config, blocks, PERPLEXITY_BLOCK_SIZE, lm.dtype, "cpu")
+    metadata = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(blocks))], PERPLEXITY_BLOCK_SIZE)
+    with torch.inference_mode():
+        logits = lm.model.compute_logits(lm.model(torch.tensor(ids), metadata, kv_caches))[:-1].float()
+    return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()), len(ids)
 
 
 def one_request(llm: LLM, ids: list[int], new_tokens: int) -> tuple[float, float]:
@@ -150,6 +177,10 @@ def measure(args) -> None:
     lines += ["", "| weights | parameters (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
     for name, dequantize in (("quantized", False), ("bf16", True)):
         lines.append(f"| {name} | {weight_bytes[name] / 1e6:.1f} | {loaded_rss(args.model, dequantize) / 1e6:.1f} |")
+    quantized, tokens = perplexity(args.model, torch.bfloat16, dequantize=False)
+    reference, _ = perplexity(args.model, torch.float32, dequantize=True)
+    lines += ["", f"perplexity over {tokens} tokens: quantized (bf16 activations) {quantized:.4f}, dequantized "
+                  f"float32 {reference:.4f}, ratio {quantized / reference:.4f}"]
     print("\n".join(lines))
     write_markdown(args.markdown, lines)
 

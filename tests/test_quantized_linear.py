@@ -148,7 +148,7 @@ def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
 
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 31, 32, 45])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 31, 32, 45])
 @pytest.mark.parametrize("blocks,out_features", [(1, 8), (3, 24), ("model", 136)])
 def test_interleaved_weights_match_dequantized_product(ggml_type, rows, blocks, out_features, cpu_isa):
     """The interleaved layout gives the product of the weights as the file stores them, within

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from kvflow.bench import latency_stats
 from kvflow.bench.datasets import BenchRequest, load_tokenizer, random_requests
 from kvflow.bench.latency_stats import RequestRecord, percentile, summarize
 from kvflow.bench.serve_client import fetch_model_id, run_benchmark, wait_until_ready
+from kvflow.engine.distributed.rank_group import free_port
 
 
 @dataclass
@@ -48,13 +48,6 @@ class Plan:
 # jitter of a prefill, so that the fitted TPOT is a slope and not noise.
 QUICK_PLAN = Plan(prompt_lens=(16, 128), prompt_sweep_repeats=2, output_lens=(8, 72), output_sweep_repeats=2,
                   concurrencies=(1, 4), concurrency_output_len=16, hf_requests=4, hf_output_len=8)
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _engine_flags(args) -> list[str]:

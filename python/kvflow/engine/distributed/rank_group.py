@@ -42,6 +42,7 @@ def launched_by_torchrun() -> bool:
 
 
 def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
