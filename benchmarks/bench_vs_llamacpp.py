@@ -16,6 +16,7 @@ those kvflow loads (the embedded Q4_1 file, dequantized to bf16). Each round mea
   core (`taskset -c N`), both engines at their default threads: contended / clean, per engine.
 
     python benchmarks/bench_vs_llamacpp.py --llama-cpp-bin ../llama.cpp/build/bin --gguf smollm2-bf16.gguf
+    python benchmarks/bench_vs_llamacpp.py --llama-cpp-bin ../llama.cpp/build/bin --gguf model.Q4_K_M.gguf --model model.Q4_K_M.gguf
 """
 
 import argparse
@@ -101,6 +102,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp-bin", required=True, help="llama.cpp's build/bin (llama-bench, llama-batched-bench)")
     parser.add_argument("--gguf", required=True, help="the embedded model as a BF16 GGUF, for llama.cpp")
+    parser.add_argument("--model", default=None,
+                        help="the model kvflow runs (default: the embedded one); the --gguf file for the same file in both")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each measuring both engines in turn")
     parser.add_argument("--repetitions", type=int, default=3, help="one-request runs per engine and round")
     parser.add_argument("--requests", type=int, default=64, help="offline requests")
@@ -111,7 +114,7 @@ def main():
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     cpu = platform.current()
-    llm = LLM(kv_cache_memory=1 << 30)
+    llm = LLM(args.model, kv_cache_memory=1 << 30)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     header = [f"kvflow vs llama.cpp, {cpu.model} ({cpu.isa} kernels; features: "
               f"{', '.join(f for f, on in cpu.features.items() if on)}), {torch.get_num_threads()} threads, "
