@@ -14,13 +14,20 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
                    GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K", GGML_Q6_K: "Q6_K"}
 
 
-# kvflow's interleaved layout of Q4_0, Q4_1 and Q8_0 weights on the CPU (csrc's gguf_blocks.h):
-# rows in groups of INTERLEAVED_ROWS, each group's blocks stored together so that the few-row
-# kernel multiplies 8 rows at once. Same bytes as the file's rows; made at load by interleave_rows.
+# kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights on the CPU (csrc's
+# gguf_blocks.h): rows in groups of INTERLEAVED_ROWS, each group's blocks stored together so that
+# the few-row kernel multiplies 8 rows at once. Same bytes as the file's rows; made at load by
+# interleave_rows.
 INTERLEAVED_ROWS = 8
 GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1, 1000 + GGML_Q8_0
+GGML_Q5_0_INTERLEAVED, GGML_Q5_1_INTERLEAVED = 1000 + GGML_Q5_0, 1000 + GGML_Q5_1
 INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED,
+                     GGML_Q5_0: GGML_Q5_0_INTERLEAVED, GGML_Q5_1: GGML_Q5_1_INTERLEAVED,
                      GGML_Q8_0: GGML_Q8_0_INTERLEAVED}
+# The bytes of each field of a block's header (before its codes): d; m (Q4_1, Q5_1); the 32
+# fifth bits (Q5_0, Q5_1).
+_INTERLEAVED_HEADER_FIELDS = {GGML_Q4_0: (2,), GGML_Q4_1: (2, 2), GGML_Q5_0: (2, 4), GGML_Q5_1: (2, 2, 4),
+                              GGML_Q8_0: (2,)}
 
 
 def type_name(ggml_type: int) -> str:
@@ -31,44 +38,47 @@ def type_name(ggml_type: int) -> str:
     return GGML_TYPE_NAMES.get(ggml_type, str(ggml_type))
 
 
-def _interleaved_header(ggml_type: int) -> int:
-    """The bytes of a Q4_0 or Q8_0 (d) or Q4_1 (d, m) block before its codes; a ValueError for any
-    other type."""
+def _interleaved_header_fields(ggml_type: int) -> tuple[int, ...]:
+    """The bytes of each header field of a block of an interleaving type (_INTERLEAVED_HEADER_FIELDS);
+    a ValueError for any other type."""
     if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0, Q4_1 and Q8_0 weights interleave, got GGML type {ggml_type}")
-    return 4 if ggml_type == GGML_Q4_1 else 2
+        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights interleave, got GGML type {ggml_type}")
+    return _INTERLEAVED_HEADER_FIELDS[ggml_type]
 
 
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0, Q4_1 or Q8_0 weight uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS)
-    in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and
-    each block, the 8 rows' d, then (Q4_1) their 8 m, then pieces of 32 bytes (4 of nibbles, 8 of
-    Q8_0's codes), piece k holding code bytes 4k..4k+3 of each row in turn. Same shape and
-    bytes, rearranged."""
-    header = _interleaved_header(ggml_type)
+    """A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight uint8 [rows, row bytes] (rows a multiple of
+    INTERLEAVED_ROWS) in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each
+    group of 8 rows and each block, each header field of the 8 rows in turn (d; m; fifth bits),
+    then pieces of 32 bytes (4 of nibbles, 8 of Q8_0's codes), piece k holding code bytes
+    4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
+    fields = _interleaved_header_fields(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:
         raise ValueError(f"interleaving takes a multiple of {INTERLEAVED_ROWS} rows, got {rows}")
-    block_bytes = BLOCK_BYTES[ggml_type]
+    block_bytes, header = BLOCK_BYTES[ggml_type], sum(fields)
     blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
-    scales = [blocks[..., i:i + 2].transpose(1, 2).flatten(2) for i in range(0, header, 2)]  # [groups, blocks, 16]
+    starts = [sum(fields[:i]) for i in range(len(fields))]
+    headers = [blocks[..., start:start + size].transpose(1, 2).flatten(2)  # [groups, blocks, 8 * size]
+               for start, size in zip(starts, fields)]
     pieces = (block_bytes - header) // 4
     codes = blocks[..., header:].unflatten(-1, (pieces, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 32 pieces]
-    return torch.cat(scales + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
+    return torch.cat(headers + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
 def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The inverse of interleave_rows: a weight in the interleaved layout of Q4_0, Q4_1 or Q8_0
+    """The inverse of interleave_rows: a weight in the interleaved layout of an interleaving type
     (ggml_type the GGML type) back in the GGUF file's rows."""
-    header = _interleaved_header(ggml_type)
+    fields = _interleaved_header_fields(ggml_type)
     rows, row_bytes = weight.shape
-    block_bytes = BLOCK_BYTES[ggml_type]
+    block_bytes, header = BLOCK_BYTES[ggml_type], sum(fields)
     groups = weight.reshape(rows // INTERLEAVED_ROWS, row_bytes // block_bytes, INTERLEAVED_ROWS * block_bytes)
-    scales = [groups[..., 8 * i:8 * i + 16].unflatten(-1, (INTERLEAVED_ROWS, 2)).transpose(1, 2)
-              for i in range(0, header, 2)]  # [groups, 8, blocks, 2]
+    starts = [INTERLEAVED_ROWS * sum(fields[:i]) for i in range(len(fields))]
+    headers = [groups[..., start:start + INTERLEAVED_ROWS * size].unflatten(-1, (INTERLEAVED_ROWS, size)).transpose(1, 2)
+               for start, size in zip(starts, fields)]  # [groups, 8, blocks, size]
     pieces = (block_bytes - header) // 4
-    codes = groups[..., 8 * header:].unflatten(-1, (pieces, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
-    return torch.cat(scales + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
+    codes = groups[..., INTERLEAVED_ROWS * header:].unflatten(-1, (pieces, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
+    return torch.cat(headers + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
 def quantized_row_bytes(in_features: int, ggml_type: int) -> int:

@@ -244,33 +244,47 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0, Q4_1 and Q8_0 weights, made once at load for the CPU's
-// products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
-// kInterleavedRows; a group stores block b of its 8 rows together: the 8 rows' d, then (Q4_1)
-// their 8 m, then 32-byte pieces (four of nibbles, eight of Q8_0's codes), piece k holding code
-// bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows, so the same
-// memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with one
-// instruction, and convert their 8 scales with another.
+// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, made once at load for
+// the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
+// kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
+// header in turn for the 8 rows (d; Q4_1 and Q5_1 then m; the 5-bit formats then their 32 fifth
+// bits, 4 bytes a row), then 32-byte pieces (four of nibbles, eight of Q8_0's codes), piece k
+// holding code bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
+// so the same memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with
+// one instruction, and convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
-constexpr int kNumInterleavedFormats = 3;  // Q4_0, Q4_1, Q8_0
+constexpr int kNumInterleavedFormats = 5;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
-// The GGML type an interleaved type id lays out (Q4_0, Q4_1 or Q8_0), or -1 for any other id.
+KVFLOW_HOST_DEVICE constexpr bool interleaves(int64_t ggml_type) {
+  return ggml_type == int64_t(GgufType::kQ4_0) || ggml_type == int64_t(GgufType::kQ4_1) ||
+         ggml_type == int64_t(GgufType::kQ5_0) || ggml_type == int64_t(GgufType::kQ5_1) ||
+         ggml_type == int64_t(GgufType::kQ8_0);
+}
+
+// The GGML type an interleaved type id lays out, or -1 for any other id.
 KVFLOW_HOST_DEVICE constexpr int64_t interleaved_base_type(int64_t type) {
-  return type == kInterleavedTypeBase + int64_t(GgufType::kQ4_0) ||
-                 type == kInterleavedTypeBase + int64_t(GgufType::kQ4_1) ||
-                 type == kInterleavedTypeBase + int64_t(GgufType::kQ8_0)
-             ? type - kInterleavedTypeBase
-             : -1;
+  return interleaves(type - kInterleavedTypeBase) ? type - kInterleavedTypeBase : -1;
 }
 
 // The index of an interleaved format among KernelTable::quantized_linear_interleaved's entries.
 constexpr int interleaved_index(QuantFormat f) {
-  return f == QuantFormat::kQ4_0 ? 0 : f == QuantFormat::kQ4_1 ? 1 : 2;
+  return f == QuantFormat::kQ4_0 ? 0 : f == QuantFormat::kQ4_1 ? 1 : f == QuantFormat::kQ5_0 ? 2 : f == QuantFormat::kQ5_1 ? 3 : 4;
 }
 
-// The bytes of an interleaved block's header (d, and Q4_1's m) for one row.
-constexpr int64_t interleaved_header_bytes(QuantFormat f) { return f == QuantFormat::kQ4_1 ? 4 : 2; }
+// The bytes of one row's header field i of an interleaved format's block (0 past its last):
+// d, then m (Q4_1, Q5_1), then the fifth bits (Q5_0, Q5_1).
+constexpr int64_t interleaved_field_bytes(QuantFormat f, int i) {
+  const bool offset = f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1;
+  const bool fifth = f == QuantFormat::kQ5_0 || f == QuantFormat::kQ5_1;
+  const int64_t fields[3] = {2, offset ? 2 : (fifth ? 4 : 0), offset && fifth ? 4 : 0};
+  return i < 3 ? fields[i] : 0;
+}
+
+// The bytes of an interleaved block's header for one row (all its fields).
+constexpr int64_t interleaved_header_bytes(QuantFormat f) {
+  return interleaved_field_bytes(f, 0) + interleaved_field_bytes(f, 1) + interleaved_field_bytes(f, 2);
+}
 
 // Rows [first, first + count) of a weight in the interleaved layout, written out in GGUF's
 // (count * row_bytes bytes): what the kernels without an interleaved version read.
@@ -283,8 +297,10 @@ inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, Qu
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = group + b * kInterleavedRows * bytes;
       uint8_t* block = out + i * row_bytes + b * bytes;
-      std::memcpy(block, src + 2 * r, 2);
-      if (header == 4) std::memcpy(block + 2, src + 2 * kInterleavedRows + 2 * r, 2);
+      for (int field = 0, offset = 0; interleaved_field_bytes(f, field) > 0; offset += interleaved_field_bytes(f, field++)) {
+        const int64_t size = interleaved_field_bytes(f, field);
+        std::memcpy(block + offset, src + kInterleavedRows * offset + size * r, size);
+      }
       for (int64_t k = 0; k < (bytes - header) / 4; ++k) {
         std::memcpy(block + header + 4 * k, src + header * kInterleavedRows + 32 * k + 4 * r, 4);
       }

@@ -183,6 +183,16 @@ struct QuantDotAvx2 {
   }
 };
 
+// 0x10 in byte b of each 32-bit lane where bit first + b of the lane is set, b = 0..3 (first a
+// multiple of 4): the fifth bits of the 4 codes a piece holds of each row.
+inline __m256i lane_fifth_bits(__m256i bits, int first) {
+  const __m256i lane_bytes = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                              0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i spread = _mm256_shuffle_epi8(bits, _mm256_add_epi8(lane_bytes, _mm256_set1_epi8(char(first / 8))));
+  const __m256i bit = _mm256_set1_epi32(first % 8 == 0 ? 0x08040201 : int32_t(0x80402010u));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 // One group of 8 weight rows in the interleaved layout (gguf_blocks.h) times input rows
 // r0 .. r0 + kRows: out[r][j] = row j of the group . input row r0 + r. Per block, each 32-byte
 // piece holds 4 codes of each of the 8 rows (row j in 32-bit lane j); vpmaddubsw against the
@@ -191,13 +201,18 @@ struct QuantDotAvx2 {
 // - Q4_0, Q4_1: a piece's low and high nibbles are two sets of 4 codes; the pair sums add in 16
 //   bits over the block's 8 half-pieces (at most 8 x 2 x 15 x 127 = 30480, no overflow) and
 //   widen once.
+// - Q5_0, Q5_1: as Q4 with each code's fifth bit (a 32-bit word per row: lane_fifth_bits) set
+//   into its byte; a piece's pair sums (up to 2 x 2 x 31 x 127 = 15748) widen and add in 32 bits.
 // - Q8_0: eight pieces of signed codes, so vpmaddubsw takes |w| against x carrying w's sign; its
 //   pair sums (up to 2 x 127 x 127) leave no room for a 16-bit sum, so each piece's widen
 //   (vpmaddwd) and add in 32 bits.
 template <QuantFormat F, int kRows>
 void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
+  constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
+  constexpr bool kWideSums = kSigned || kFifthBit;  // 32-bit sums per piece
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
+  constexpr int64_t kFifthBits = kInterleavedRows * (interleaved_field_bytes(F, 0) + (has_offset(F) ? 2 : 0));
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
   constexpr int64_t kAheadBytes = kSigned ? 4096 : 2048;  // about as many blocks ahead either way
   const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
@@ -222,23 +237,35 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
         }
       }
     } else {
+      const __m256i fifth = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFifthBits))
+                                      : _mm256_setzero_si256();
       for (int k = 0; k < 4; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
-        const __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+        __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+        if constexpr (kFifthBit) {
+          low = _mm256_or_si256(low, lane_fifth_bits(fifth, 4 * k));
+          high = _mm256_or_si256(high, lane_fifth_bits(fifth, 16 + 4 * k));
+        }
         for (int r = 0; r < kRows; ++r) {
-          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, input_word(r, 4 * k)),
-                                                    _mm256_maddubs_epi16(high, input_word(r, 16 + 4 * k)));
-          sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+          __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, input_word(r, 4 * k)),
+                                              _mm256_maddubs_epi16(high, input_word(r, 16 + 4 * k)));
+          if constexpr (kFifthBit) {
+            products = _mm256_madd_epi16(products, ones);
+            sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
+          } else {
+            sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+          }
         }
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    // Q4_1: w = d q + m; Q4_0: w = d q - 8 d. Either way an offset times the input's d * sum(q).
+    // Q4_1, Q5_1: w = d q + m; Q4_0: w = d q - 8 d; Q5_0: w = d q - 16 d. Either way an offset
+    // times the input's d * sum(q).
     const __m256 m = has_offset(F) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
-                                   : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+                                   : _mm256_mul_ps(d, _mm256_set1_ps(kFifthBit ? -16.f : -8.f));
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
-      const __m256 dot = _mm256_cvtepi32_ps(kSigned ? sums[r] : _mm256_madd_epi16(sums[r], ones));
+      const __m256 dot = _mm256_cvtepi32_ps(kWideSums ? sums[r] : _mm256_madd_epi16(sums[r], ones));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale_sum[0])), acc[r]);
       if constexpr (!kSigned) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
     }
@@ -429,6 +456,8 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_0>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_1>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ8_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ8_0>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_0>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_1>;
 }
 
 }  // namespace
