@@ -256,6 +256,7 @@ constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
 constexpr int kNumInterleavedFormats = 5;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
+// Whether weights of this GGML type are interleaved on the CPU.
 KVFLOW_HOST_DEVICE constexpr bool interleaves(int64_t ggml_type) {
   return ggml_type == int64_t(GgufType::kQ4_0) || ggml_type == int64_t(GgufType::kQ4_1) ||
          ggml_type == int64_t(GgufType::kQ5_0) || ggml_type == int64_t(GgufType::kQ5_1) ||
@@ -297,9 +298,11 @@ inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, Qu
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = group + b * kInterleavedRows * bytes;
       uint8_t* block = out + i * row_bytes + b * bytes;
-      for (int field = 0, offset = 0; interleaved_field_bytes(f, field) > 0; offset += interleaved_field_bytes(f, field++)) {
+      int64_t offset = 0;  // of the field in a row's block; its 8 rows' copies start 8 times as far in
+      for (int field = 0; interleaved_field_bytes(f, field) > 0; ++field) {
         const int64_t size = interleaved_field_bytes(f, field);
         std::memcpy(block + offset, src + kInterleavedRows * offset + size * r, size);
+        offset += size;
       }
       for (int64_t k = 0; k < (bytes - header) / 4; ++k) {
         std::memcpy(block + header + 4 * k, src + header * kInterleavedRows + 32 * k + 4 * r, 4);

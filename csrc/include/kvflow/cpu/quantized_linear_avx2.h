@@ -212,7 +212,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
   constexpr bool kWideSums = kSigned || kFifthBit;  // 32-bit sums per piece
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
-  constexpr int64_t kFifthBits = kInterleavedRows * (interleaved_field_bytes(F, 0) + (has_offset(F) ? 2 : 0));
+  constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
   constexpr int64_t kAheadBytes = kSigned ? 4096 : 2048;  // about as many blocks ahead either way
   const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
