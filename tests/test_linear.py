@@ -79,7 +79,8 @@ def packed_reference(x, w, b=None):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64, 300])
+# 1-8 rows take the few-row passes (1, 2, 3 and 4 at a time), more the many-row tiles.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 64, 300])
 @pytest.mark.parametrize("in_features,out_features", [(576, 960), (577, 49), (1, 1), (7, 100), (1536, 97)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear(rows, in_features, out_features, with_bias, cpu_isa):
@@ -97,6 +98,20 @@ def test_packed_linear(rows, in_features, out_features, with_bias, cpu_isa):
     # float32 out (an LM head's logits): the float32 sums themselves, not a bfloat16 rounding of them.
     logits = ops.packed_linear(x, packed, out_features, b, out_dtype=torch.float32)
     torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("in_features", [576, 577])
+def test_packed_linear_row_does_not_depend_on_the_rows_beside_it(in_features, cpu_isa):
+    # Few-row passes and many-row tiles sum each feature in one order: a row's result is the same
+    # bits at any row count (what batch-invariant mode and speculative verification rely on).
+    torch.manual_seed(in_features)
+    x = torch.randn(40, in_features, dtype=torch.bfloat16)
+    w = (torch.randn(200, in_features) / in_features**0.5).to(torch.bfloat16)
+    packed = ops.pack_linear_weight(w)
+    alone = ops.packed_linear(x[:1], packed, 200, out_dtype=torch.float32)
+    for rows in (2, 3, 4, 5, 8, 9, 40):
+        beside = ops.packed_linear(x[:rows], packed, 200, out_dtype=torch.float32)
+        assert torch.equal(beside[:1], alone), f"row 0 differs at {rows} rows"
 
 
 def test_packed_linear_reads_and_writes_strided_rows(cpu_isa):
@@ -138,7 +153,7 @@ def test_packed_linear_rejects_bad_input():
         ops.packed_linear(x, packed, 100, out_dtype=torch.float16)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 9, 64, 300])
 @pytest.mark.parametrize("in_features,d", [(576, 1536), (33, 40), (64, 24), (7, 25)])
 def test_packed_silu_and_mul(rows, in_features, d, cpu_isa):
     # d off the 24-feature half panel (25, 40) pads both halves of the last panel.

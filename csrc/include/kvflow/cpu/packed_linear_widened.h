@@ -33,18 +33,87 @@ struct PackedLinearWidened {
   static constexpr int kTileFeatures = kVectors * W;
   static constexpr int kPanel = int(kPackedLinearPanel);
   static_assert(kPanel % kTileFeatures == 0, "a panel splits into whole sub-tiles");
+  static_assert(kPanel % (2 * W) == 0, "a panel splits into two whole halves");
   // Rows widened at a time: the chunk's float32 rows (at most 64 x in_features x 4 bytes) stay
   // in L2 beside the panel they pass over.
   static constexpr int64_t kChunkRows = 64;
 
-  // sums[r][j] += x[r] . panel feature (first + j) for j in [0, kTileFeatures), rows r < rows.
+  // Up to kFewRows rows go through the panel kFewRowBlock rows at a time, one or two rows over
+  // the whole panel in one pass, three or four over each half in turn (24 float32 sums fit the
+  // registers), so that each thread reads its panels as one sequential stream, prefetched
+  // kStreamAhead values ahead. The sub-tiles of many rows would read a panel as kPanel /
+  // kTileFeatures strided streams. Each feature's sum runs in the same order either way.
+  static constexpr int64_t kFewRows = 8;
+  static constexpr int kFewRowBlock = 4;
+  static constexpr int64_t kStreamAhead = 2048;  // bfloat16 values
+  static constexpr int kPanelVectors = kPanel / W;
+  static_assert(kFewRowBlock <= kRows, "the sums buffer holds kRows rows");
+
+  // sums[r][j] = x[r] . panel feature j for j in [0, kVectorsNow * W); stream: ask for all of
+  // each step's lines kStreamAhead values ahead (the panel's first pass).
+  template <int kRowsNow, int kVectorsNow>
+  static void panel_pass(const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums,
+                         bool stream) {
+    typename V::Reg acc[kRowsNow][kVectorsNow];
+    for (int r = 0; r < kRowsNow; ++r) {
+      for (int v = 0; v < kVectorsNow; ++v) acc[r][v] = V::zero();
+    }
+    for (int64_t k2 = 0; k2 < pairs; ++k2) {
+      if (stream) {
+        for (int line = 0; line < 2 * kPanel; line += 32) __builtin_prefetch(w + kStreamAhead + line, 0, 2);
+      }
+      typename V::Reg a0[kRowsNow], a1[kRowsNow];
+      for (int r = 0; r < kRowsNow; ++r) {
+        a0[r] = V::set1(x[r * x_stride + 2 * k2]);
+        a1[r] = V::set1(x[r * x_stride + 2 * k2 + 1]);
+      }
+      for (int v = 0; v < kVectorsNow; ++v) {
+        typename V::Reg even, odd;
+        V::load_pair_halves(w + 2 * W * v, even, odd);
+        for (int r = 0; r < kRowsNow; ++r) {
+          acc[r][v] = V::fmadd(a0[r], even, acc[r][v]);
+          acc[r][v] = V::fmadd(a1[r], odd, acc[r][v]);
+        }
+      }
+      w += 2 * kPanel;
+    }
+    for (int r = 0; r < kRowsNow; ++r) {
+      for (int v = 0; v < kVectorsNow; ++v) V::store(sums + r * kPanel + v * W, acc[r][v]);
+    }
+  }
+
   template <int kRowsNow>
-  static void tile(const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums) {
+  static void half_panel_passes(const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums,
+                                bool stream) {
+    constexpr int kHalf = kPanelVectors / 2;
+    panel_pass<kRowsNow, kHalf>(x, x_stride, w, pairs, sums, stream);
+    panel_pass<kRowsNow, kPanelVectors - kHalf>(x, x_stride, w + 2 * kHalf * W, pairs, sums + kHalf * W, false);
+  }
+
+  // sums for rows in [1, kFewRowBlock].
+  static void few_rows(int rows, const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums,
+                       bool stream) {
+    switch (rows) {
+      case 1: return panel_pass<1, kPanelVectors>(x, x_stride, w, pairs, sums, stream);
+      case 2: return panel_pass<2, kPanelVectors>(x, x_stride, w, pairs, sums, stream);
+      case 3: return half_panel_passes<3>(x, x_stride, w, pairs, sums, stream);
+      default: return half_panel_passes<4>(x, x_stride, w, pairs, sums, stream);
+    }
+  }
+
+  // stream: this pass is the panel's first, and asks for all of each step's lines kStreamAhead
+  // values ahead, so that the panel arrives as one sequential stream and the later passes find it
+  // in L2.
+  template <int kRowsNow>
+  static void tile(const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums, bool stream) {
     typename V::Reg acc[kRowsNow][kVectors];
     for (int r = 0; r < kRowsNow; ++r) {
       for (int v = 0; v < kVectors; ++v) acc[r][v] = V::zero();
     }
     for (int64_t k2 = 0; k2 < pairs; ++k2) {
+      if (stream) {
+        for (int line = 0; line < 2 * kPanel; line += 32) __builtin_prefetch(w + kStreamAhead + line, 0, 2);
+      }
       typename V::Reg even[kVectors], odd[kVectors];
       for (int v = 0; v < kVectors; ++v) V::load_pair_halves(w + 2 * W * v, even[v], odd[v]);
       for (int r = 0; r < kRowsNow; ++r) {
@@ -63,12 +132,13 @@ struct PackedLinearWidened {
   }
 
   template <int kRowsNow = kRows>
-  static void tile_rows(int rows, const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums) {
+  static void tile_rows(int rows, const float* x, int64_t x_stride, const bfloat16* w, int64_t pairs, float* sums,
+                        bool stream) {
     if constexpr (kRowsNow >= 1) {
       if (rows == kRowsNow) {
-        tile<kRowsNow>(x, x_stride, w, pairs, sums);
+        tile<kRowsNow>(x, x_stride, w, pairs, sums, stream);
       } else {
-        tile_rows<kRowsNow - 1>(rows, x, x_stride, w, pairs, sums);
+        tile_rows<kRowsNow - 1>(rows, x, x_stride, w, pairs, sums, stream);
       }
     }
   }
@@ -125,11 +195,18 @@ struct PackedLinearWidened {
         const PackedLinearPanel p{out, out_stride, out_is_float32, silu_and_mul, x, x_stride,
                                   packed + panel * panel_elems, bias, in_features, first,
                                   int(std::min(features_per_panel, out_features - first))};
-        for (int64_t r0 = 0; r0 < chunk_rows; r0 += kRows) {
-          const int rows_now = int(std::min<int64_t>(kRows, chunk_rows - r0));
+        const bool few = chunk_rows <= kFewRows;
+        const int block_rows = few ? kFewRowBlock : kRows;
+        for (int64_t r0 = 0; r0 < chunk_rows; r0 += block_rows) {
+          const int rows_now = int(std::min<int64_t>(block_rows, chunk_rows - r0));
           const float* xr = widened.data() + r0 * padded;
-          for (int s = 0; s < kPanel / kTileFeatures; ++s) {
-            tile_rows(rows_now, xr, padded, p.w + 2 * kTileFeatures * s, pairs, sums + kTileFeatures * s);
+          if (few) {
+            few_rows(rows_now, xr, padded, p.w, pairs, sums, r0 == 0);
+          } else {
+            for (int s = 0; s < kPanel / kTileFeatures; ++s) {
+              tile_rows(rows_now, xr, padded, p.w + 2 * kTileFeatures * s, pairs, sums + kTileFeatures * s,
+                        r0 == 0 && s == 0);
+            }
           }
           for (int r = 0; r < rows_now; ++r) epilogue(p, chunk + r0 + r, sums + r * kPanel);
         }
