@@ -12,7 +12,11 @@ Each run measures:
   moves by up to 1.5x from minute to minute, so raw TPOTs of two runs compare the machine's
   moments as much as the builds; the floor ratio does not;
 - with --offline, 64 random 128-token prompts at once, 128 tokens out each, end tokens ignored:
-  output tokens / wall time, the better of two.
+  output tokens / wall time, the better of two;
+- the process's resident memory after the runs (VmRSS).
+
+With --dequantize-weights both builds run the bf16 path (the embedded model's weights
+dequantized at load, as a bf16 checkpoint would load).
 
     python benchmarks/bench_builds.py --a ../before/python --b python --pairs 6 --offline
 """
@@ -29,12 +33,29 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one_run(offline: bool) -> dict:
+def weights_read_per_token(model) -> int:
+    """The bytes of the weights a decode step reads: the parameters, and the packed weights that
+    replaced theirs (a build that keeps plain weights beside packed copies reads the plain ones
+    at one row)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if "weight" in module._parameters and module.weight is None and module.packed_weight is not None:
+            total += module.packed_weight.data.nbytes
+    return total
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
+def one_run(offline: bool, dequantize_weights: bool) -> dict:
     from kvflow import LLM, SamplingParams
     from timing import read_bandwidth
 
-    llm = LLM()
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    llm = LLM(dequantize_weights=dequantize_weights)
+    weight_bytes = weights_read_per_token(llm.engine.runner.model)
     vocab = llm.tokenizer.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -59,12 +80,14 @@ def one_run(offline: bool) -> dict:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
         result["offline_tokens_per_s"] = max(rates)
+    result["rss_mib"] = resident_mib()
     return result
 
 
-def run_build(path: str, offline: bool) -> dict:
+def run_build(path: str, offline: bool, dequantize_weights: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(path), HERE]))
-    command = [sys.executable, os.path.abspath(__file__), "--child"] + (["--offline"] if offline else [])
+    command = ([sys.executable, os.path.abspath(__file__), "--child"] + (["--offline"] if offline else [])
+               + (["--dequantize-weights"] if dequantize_weights else []))
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         raise RuntimeError(f"the run of {path} failed:\n{result.stderr[-2000:]}")
@@ -77,19 +100,21 @@ def main():
     parser.add_argument("--b", help="build B")
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--offline", action="store_true", help="also offline throughput, 64 requests")
+    parser.add_argument("--dequantize-weights", action="store_true", help="the bf16 path: weights dequantized at load")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one_run(args.offline)))
+        print(json.dumps(one_run(args.offline, args.dequantize_weights)))
         return
     if not (args.a and args.b):
         parser.error("--a and --b are required")
-    keys = ["floor_ratio", "tpot_ms"] + (["offline_tokens_per_s"] if args.offline else [])
+    keys = ["floor_ratio", "tpot_ms"] + (["offline_tokens_per_s"] if args.offline else []) + ["rss_mib"]
     rows = []
     print("| pair | " + " | ".join(f"A {k} | B {k} | A/B" for k in keys) + " |")
     print("|---:|" + "---:|---:|---:|" * len(keys))
     for pair in range(1, args.pairs + 1):
-        a, b = run_build(args.a, args.offline), run_build(args.b, args.offline)
+        a = run_build(args.a, args.offline, args.dequantize_weights)
+        b = run_build(args.b, args.offline, args.dequantize_weights)
         rows.append((a, b))
         cells = [f"{a[k]:.3f} | {b[k]:.3f} | {a[k] / b[k]:.3f}" for k in keys]
         print(f"| {pair} | " + " | ".join(cells) + " |", flush=True)

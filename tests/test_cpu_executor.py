@@ -182,14 +182,14 @@ def test_replay_equals_op_by_op(dtype, variant, context_lens, threads, cpu_isa):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("batch", [9, 13, 40])
+@pytest.mark.parametrize("batch", [1, 5, 9, 13, 40])
 def test_replay_on_packed_weights_equals_op_by_op(variant, batch, threads, cpu_isa):
-    """More than 8 rows on prepacked bfloat16 weights (packed_linear, packed_silu_and_mul), in a
-    class padded to a multiple of 8: the padding rows write no cache slot."""
+    """Prepacked bfloat16 weights (packed_linear, packed_silu_and_mul) at few rows, and at more
+    than 8 in a class padded to a multiple of 8: the padding rows write no cache slot."""
     model = small_model(torch.bfloat16, variant, tie=True)
     model.prepack_linear_weights()
     context_lens = [(7 * i) % 130 for i in range(batch)]
-    assert program_batch_size(batch) % 8 == 0
+    assert batch <= 8 or program_batch_size(batch) % 8 == 0
     assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, torch.bfloat16))
 
 
@@ -325,11 +325,12 @@ PLAIN_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 QUANTIZED_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1e-1}
 
 
-def assert_matches_plain_pytorch(model, context_lens, dtype, tolerance=PLAIN_TOLERANCE):
+def assert_matches_plain_pytorch(model, context_lens, dtype, tolerance=PLAIN_TOLERANCE, weights_of=None):
     """Op by op and the replay against reference_logits, and the replay's greedy tokens wherever
-    the reference's top two logits are further apart than the tolerance."""
+    the reference's top two logits are further apart than the tolerance. weights_of: a model with
+    the same weights unpacked (packing releases the plain ones), for the reference to read."""
     ids, md, kv = decode_step(model, context_lens, dtype)
-    expected = reference_logits(model, ids, md, kv)
+    expected = reference_logits(weights_of or model, ids, md, kv)
     kv_replayed = [(k.clone(), v.clone()) for k, v in kv]
     bound = tolerance[dtype] * float(expected.max() - expected.min())
     torch.testing.assert_close(op_by_op(model, ids, md, kv).float(), expected, rtol=0, atol=bound)
@@ -388,11 +389,14 @@ def scaled_blocks(blocks, ggml_type, rms):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_packed_weights_match_plain_pytorch(variant, threads):
-    """12 rows: every product on the packed bfloat16 weights."""
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_packed_weights_match_plain_pytorch(variant, rows, threads):
+    """Every product on the packed bfloat16 weights, at few rows and at many."""
     model = small_model(torch.bfloat16, variant, tie=True)
     model.prepack_linear_weights()
-    assert_matches_plain_pytorch(model, [(11 * i) % 130 for i in range(12)], torch.bfloat16)
+    assert all(m.weight is None for m in model.linear_modules() if m is not model.lm_head)
+    assert_matches_plain_pytorch(model, [(11 * i) % 130 for i in range(rows)], torch.bfloat16,
+                                 weights_of=small_model(torch.bfloat16, variant, tie=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -209,23 +209,32 @@ def test_gate_up_layer_gives_silu_and_mul_packed_or_not(rows, cpu_isa):
     torch.testing.assert_close(layer(x).float(), gate_up, **TOLERANCES[torch.bfloat16])  # the plain product still
 
 
-@pytest.mark.parametrize("rows", [9, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 64, 300])
 def test_prepacked_linear_layer_matches_the_plain_one(rows, cpu_isa):
     # kvflow's panels on every instruction set: vdpbf16ps on AVX-512 BF16, widened to float32 elsewhere.
-    from kvflow.layers import LMHead, Linear
+    from kvflow.layers import LMHead, Linear, VocabEmbedding
 
     torch.manual_seed(rows)
     layer = Linear(576, 960, bias=True, dtype=torch.bfloat16)
     layer.weight.normal_(std=0.05)
     layer.bias.normal_()
+    weight = layer.weight.detach().clone()
     x = torch.randn(rows, 576, dtype=torch.bfloat16)
     plain = layer(x)
-    assert layer.prepack(), "bf16 CPU weights must pack on every CPU"
-    torch.testing.assert_close(layer(x).float(), plain.float(), **TOLERANCES[torch.bfloat16])
-    torch.testing.assert_close(plain.float(), F.linear(x.float(), layer.weight.float(), layer.bias.float()),
+    torch.testing.assert_close(plain.float(), F.linear(x.float(), weight.float(), layer.bias.float()),
                                **TOLERANCES[torch.bfloat16])
+    assert layer.prepack(), "bf16 CPU weights must pack on every CPU"
+    assert layer.weight is None, "the packed copy replaces the plain weight"
+    torch.testing.assert_close(layer(x).float(), plain.float(), **TOLERANCES[torch.bfloat16])
     head = LMHead(1001, 576, dtype=torch.bfloat16)
     head.weight.normal_(std=0.05)
     logits = head(x)
-    assert head.prepack()
+    assert head.prepack() and head.weight is None
     torch.testing.assert_close(head(x), logits, **TOLERANCES[torch.bfloat16])
+    # A head tied to the embedding packs a copy and leaves the table, whose rows the lookups read.
+    embedding = VocabEmbedding(1001, 576, dtype=torch.bfloat16)
+    embedding.weight.normal_(std=0.05)
+    tied = LMHead(1001, 576, dtype=torch.bfloat16, tied_to=embedding)
+    logits = tied(x)
+    assert tied.prepack() and embedding.weight is not None
+    torch.testing.assert_close(tied(x), logits, **TOLERANCES[torch.bfloat16])

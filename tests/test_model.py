@@ -288,23 +288,27 @@ def test_a_float32_model_has_nothing_to_pack_and_warns_of_nothing(caplog):
     assert "packed copies" not in caplog.text
 
 
-def test_packed_copies_are_made_only_while_they_fit_in_memory(kv_bf16, hf_reference, monkeypatch, caplog):
-    """A machine that holds the model once but not twice: the copies stop at what is available
-    beyond the KV cache's reservation, the load says so, and the prompt logits stay as close to
-    the float32 reference as the plain path's."""
+def test_packing_replaces_weights_and_stops_at_what_fits_in_memory(kv_bf16, hf_reference, monkeypatch, caplog):
+    """Packing replaces each projection's weight, but a copy needs room while it is made, and the
+    tied LM head's copy stays beside the embedding's table. A machine with room for one projection's
+    copy and not for the head's: every projection is packed and released, the head keeps the plain
+    table, the load says so, and the prompt logits stay as close to the float32 reference as the
+    plain path's."""
     from kvflow.loader import model_loader
 
     modules = kv_bf16.model.linear_modules()
-    room = sum(m.weight.nbytes for m in modules[:5])
+    table = kv_bf16.model.embed_tokens.weight.nbytes
+    room = 2 * max(m.weight.nbytes for m in modules if m is not kv_bf16.model.lm_head)
+    assert room < table
     reserved = 3 << 20
     monkeypatch.setattr(model_loader, "available_memory_bytes", lambda: room + reserved + model_loader.PACKING_HEADROOM)
     with caplog.at_level("WARNING", logger="kvflow"):
         lm = load_model(None, torch.bfloat16, cpu_prepack_weights=True, cpu_reserved_bytes=reserved,
                         dequantize_weights=True)
     packed = [m.packed_weight is not None for m in lm.model.linear_modules()]
-    assert packed[:5] == [True] * 5 and 5 <= sum(packed) < len(packed)
-    assert sum(m.weight.nbytes for m, p in zip(lm.model.linear_modules(), packed) if p) <= room
-    assert f"packed copies of {sum(packed)} of {len(packed)} weights" in caplog.text
+    assert packed == [True] * (len(packed) - 1) + [False], "every projection, not the tied head"
+    assert all(m.weight is None for m in lm.model.linear_modules()[:-1])
+    assert f"packed {len(packed) - 1} of {len(packed)} weights" in caplog.text
     for name in PROMPT_NAMES[:2]:
         ref = hf_reference[name]
         partial = kvflow_prompt_logits(lm, ref.prompt_ids)

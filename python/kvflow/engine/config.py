@@ -27,9 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     threads: int | None = None            # CPU threads (default: torch's)
     seed: int = 0                         # seeds requests that bring none
-    cpu_prepack_weights: bool = True      # bf16 on CPU: a packed copy of each projection for many-row
-                                          # products (faster prefill and large batches, 2x weight memory;
-                                          # only as many as fit in the memory available)
+    cpu_prepack_weights: bool = True      # bf16 on CPU: each projection's weight reordered at load into
+                                          # packed_linear's panels, in place of the plain one (faster prefill
+                                          # and large batches; a tied LM head's copy stays beside the table)
     dequantize_weights: bool = False      # a GGUF file's quantized weights in dtype instead of their
                                           # blocks (types kvflow has no kernels for are dequantized always)
     speculative_config: SpeculativeConfig | dict | str | None = None  # vLLM's spelling; see speculative_config.py

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from kvflow.layers.linear import PackedWeight, interleaved_parameter, quantized_parameter
+from kvflow.layers.linear import PackedWeight, interleaved_parameter, quantized_parameter, release_plain_weight
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.ops.linear import takes_small_linear
 
@@ -81,10 +81,11 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]. On the CPU, up to
-    SMALL_LINEAR_MAX_ROWS rows get their logits straight from the float32 accumulators, without
-    a round trip through a bfloat16 that would tie tokens within 0.125 of each other. A weight
-    in GGUF blocks (its own, or the tied embedding's) goes to quantized_linear at any row count."""
+    """hidden [rows, hidden_size] -> float32 logits [rows, vocab_size]. On the CPU the logits come
+    straight from the products' float32 accumulators (packed_linear after prepack, small_linear
+    up to SMALL_LINEAR_MAX_ROWS rows otherwise), without a round trip through a bfloat16 that
+    would tie tokens within 0.125 of each other. A weight in GGUF blocks (its own, or the tied
+    embedding's) goes to quantized_linear at any row count."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
                  tied_to: VocabEmbedding | None = None, parallel: TensorParallel = SINGLE_RANK):
@@ -123,19 +124,27 @@ class LMHead(nn.Module):
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32, device=weight.device)
             torch.ops.kvflow.quantized_linear(logits, hidden, weight, ggml_type, None)
             return logits
+        if self.packed_weight is not None:
+            return self.packed_weight.matmul(hidden, out_dtype=torch.float32)
         if hidden.is_cpu and takes_small_linear(rows):
             logits = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
             torch.ops.kvflow.small_linear(logits, hidden, weight, None)
             return logits
-        if self.packed_weight is not None:
-            return self.packed_weight.matmul(hidden, out_dtype=torch.float32)
         return torch.nn.functional.linear(hidden, weight).float()
 
     def prepack(self) -> bool:
-        """As Linear.prepack, for the (possibly tied) LM head weight."""
+        """As Linear.prepack. A head tied to the embedding packs a copy of its table and leaves
+        the table whole, since the embedding's lookups read its plain rows: the one weight that
+        then takes its memory twice."""
+        if self.ggml_type is not None:
+            return False
         weight = self.tied_to.weight if self.tied_to is not None else self.weight
         self.packed_weight = PackedWeight.of(weight)
-        return self.packed_weight is not None
+        if self.packed_weight is None:
+            return False
+        if self.tied_to is None:
+            release_plain_weight(self)
+        return True
 
     def hold_quantized(self, ggml_type: int) -> bool:
         """As Linear.hold_quantized, for an untied weight (a tied one follows the embedding's)."""

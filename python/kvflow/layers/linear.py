@@ -36,11 +36,13 @@ def interleaved_parameter(weight: torch.Tensor, ggml_type: int | None) -> tuple[
 
 class PackedWeight:
     """A bfloat16 CPU weight [out_features, in_features] reordered once, at load, into the panels of
-    kvflow's packed_linear kernel, for many-row products (prefill, batched decode). torch's matmul
-    would reorder it on every call, and its bf16 matmul needs AVX-512 to be fast. The kernel runs on
-    every CPU (kvflow.platform says how: vdpbf16ps, or bf16 widened to float32 FMAs); see
-    docs/benchmarks.md for its rates. gate_up: a gated MLP's [gate; up] weight, packed so that
-    silu(gate) * up comes out of the product's epilogue (silu_and_mul)."""
+    kvflow's packed_linear kernel, which multiplies any number of rows: few rows (decode) stream
+    each panel at the speed small_linear reads a plain weight, many rows (prefill, batched decode)
+    run tiles at the machine's matmul rate. torch's matmul would reorder the weight on every call,
+    and its bf16 matmul needs AVX-512 to be fast. The kernel runs on every CPU (kvflow.platform
+    says how: vdpbf16ps, or bf16 widened to float32 FMAs); see docs/benchmarks.md for its rates.
+    gate_up: a gated MLP's [gate; up] weight, packed so that silu(gate) * up comes out of the
+    product's epilogue (silu_and_mul)."""
 
     def __init__(self, weight: torch.Tensor, gate_up: bool = False):
         self.out_features = weight.shape[0]
@@ -60,14 +62,28 @@ class PackedWeight:
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [rows, in_features] bfloat16 -> [rows, out_features] of out_dtype (bfloat16 or
         float32, written straight from the float32 accumulators)."""
-        if self.gate_up:
-            raise ValueError("a weight packed with gate_up gives silu_and_mul, not the plain product")
-        return ops.packed_linear(x, self.data, self.out_features, bias, out_dtype=out_dtype)
+        if not self.gate_up:
+            return ops.packed_linear(x, self.data, self.out_features, bias, out_dtype=out_dtype)
+        # Each panel holds 24 gate features, then the same 24 up features: the plain product of
+        # all panels, put back in the weight's [gate; up] order.
+        if bias is not None:
+            raise ValueError("a weight packed with gate_up has no bias")
+        panels, panel, d = self.data.shape[0], self.data.shape[2], self.out_features // 2
+        half = panel // 2
+        by_panel = ops.packed_linear(x, self.data, panels * panel, out_dtype=out_dtype)
+        halves = by_panel.view(x.shape[0], panels, 2, half).transpose(1, 2).reshape(x.shape[0], 2, panels * half)
+        return halves[:, :, :d].reshape(x.shape[0], 2 * d)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] bfloat16 -> silu(x @ gate.T) * (x @ up.T), [rows, out_features / 2],
         for a weight packed with gate_up."""
         return ops.packed_silu_and_mul(x, self.data, self.out_features // 2)
+
+
+def release_plain_weight(module: nn.Module) -> None:
+    """Once a packed copy serves every product of module.weight, the plain weight's memory is
+    returned: the parameter becomes None, so that nothing can read a weight that is gone."""
+    module.weight = None
 
 
 class Linear(nn.Module):
@@ -97,12 +113,12 @@ class Linear(nn.Module):
             out = x.new_empty((rows, self.out_features), dtype=out_dtype)
             torch.ops.kvflow.quantized_linear(out, x, self.weight, self.ggml_type, bias)
             return out
+        if self.packed_weight is not None:
+            return self.packed_weight.matmul(x, bias, out_dtype=out_dtype)
         if x.is_cpu and takes_small_linear(rows) and x.dim() == 2:
             out = x.new_empty((rows, self.out_features), dtype=out_dtype)
             torch.ops.kvflow.small_linear(out, x, self.weight, bias)
             return out
-        if self.packed_weight is not None and x.dim() == 2:
-            return self.packed_weight.matmul(x, bias, out_dtype=out_dtype)
         return torch.nn.functional.linear(x, self.weight, bias).to(out_dtype)
 
     def checkpoint_shard(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -111,11 +127,20 @@ class Linear(nn.Module):
         return tensor
 
     def prepack(self) -> bool:
-        """Keeps a PackedWeight copy of a bfloat16 CPU weight for many-row products. The plain
-        weight stays for small_linear, so this doubles the weight's memory. False where the
-        weight cannot be packed (another dtype or device, or a quantized weight)."""
-        self.packed_weight = PackedWeight.of(self.weight)
-        return self.packed_weight is not None
+        """Reorders a bfloat16 CPU weight into a PackedWeight, which then serves every product,
+        and releases the plain weight (release_plain_weight): the weight's memory stays what it
+        was. False, changing nothing, where the weight cannot be packed (another dtype or device,
+        or a quantized weight)."""
+        return self._pack(gate_up=False)
+
+    def _pack(self, gate_up: bool) -> bool:
+        if self.ggml_type is not None:
+            return False
+        self.packed_weight = PackedWeight.of(self.weight, gate_up)
+        if self.packed_weight is None:
+            return False
+        release_plain_weight(self)
+        return True
 
     def hold_quantized(self, ggml_type: int) -> bool:
         """Makes the weight a uint8 parameter for GGUF blocks of ggml_type, for the loader to fill
@@ -207,25 +232,15 @@ class GateUpLinear(MergedLinear):
         """SiLU with no bias: what the fused CPU paths and the packed epilogue compute."""
         return self.act.is_silu and self.bias is None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] -> gate|up [rows, 2 * intermediate_size]."""
-        if self.packed_weight is not None and self.packed_weight.gate_up and not takes_small_linear(x.shape[0]):
-            return torch.nn.functional.linear(x, self.weight, self.bias)  # the packed copy serves activated only
-        return super().forward(x)
-
-    __call__ = forward
-
     def activated(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> [rows, intermediate_size]."""
-        if (self.packed_weight is not None and self.packed_weight.gate_up and x.dim() == 2
-                and not takes_small_linear(x.shape[0])):
+        if self.packed_weight is not None and self.packed_weight.gate_up:
             return self.packed_weight.silu_and_mul(x)
         return self.act(self(x))
 
     def prepack(self) -> bool:
         """As Linear.prepack; packed for the SiLU epilogue where that is the whole computation."""
-        self.packed_weight = PackedWeight.of(self.weight, gate_up=self.plain_silu)
-        return self.packed_weight is not None
+        return self._pack(gate_up=self.plain_silu)
 
 
 class RowParallelLinear(Linear):

@@ -138,23 +138,24 @@ def packable(module: torch.nn.Module) -> bool:
 
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0,
                         memory_share: float = 1.0) -> None:
-    """Packed copies of the projection weights for many-row products (where prepack and the
-    model can), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 projections, embeddings and LM heads in the interleaved layout
+    """bfloat16 projection weights packed for packed_linear (where prepack and the model can),
+    Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 projections, embeddings and LM heads in the interleaved layout
     of the few-row kernel (interleave_rows), then every weight into huge pages, in the order a forward pass
     reads them.
 
-    The copies double the weights' memory, so they are made only while they fit in what is
-    available beyond reserved_bytes and PACKING_HEADROOM: a model that fits once but not twice
+    A packed weight replaces the plain one, but a tied LM head's copy stays beside the embedding's
+    table, and each copy needs room while it is made. So a weight is packed only while its copy
+    fits in what is available beyond reserved_bytes and PACKING_HEADROOM: a model that barely fits
     still loads, its remaining products on the plain weights (slower prefill, same decode)."""
     if prepack and hasattr(model, "prepack_linear_weights"):
         available = available_memory_bytes()
         budget = None if available is None else max(0, int(available * memory_share) - reserved_bytes - PACKING_HEADROOM)
-        packed = model.prepack_linear_weights(budget)
         wanted = sum(1 for module in model.linear_modules() if packable(module))
+        packed = model.prepack_linear_weights(budget)
         if packed < wanted:
-            logger.warning("kvflow: packed copies of %d of %d weights: the others would not fit in the %.1f GiB "
-                           "available (keeping %.1f GiB for the KV cache); their many-row products use the plain "
-                           "weights", packed, wanted, (available or 0) / 2**30, reserved_bytes / 2**30)
+            logger.warning("kvflow: packed %d of %d weights: the others' packed copies would not fit in the %.1f GiB "
+                           "available (keeping %.1f GiB for the KV cache); their products use the plain weights",
+                           packed, wanted, (available or 0) / 2**30, reserved_bytes / 2**30)
     for module in model.modules():
         if isinstance(module, (Linear, VocabEmbedding, LMHead)):
             module.interleave_rows()

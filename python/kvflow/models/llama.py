@@ -158,9 +158,11 @@ class LlamaForCausalLM(nn.Module):
         return [module for module in self.modules() if isinstance(module, (Linear, LMHead))]
 
     def prepack_linear_weights(self, budget_bytes: int | None = None) -> int:
-        """Packed copies of the projection weights for many-row products on the CPU (see
-        Linear.prepack); returns how many were packed. With budget_bytes, a weight whose copy
-        would take more than what is left of it keeps its plain weight only."""
+        """Packs the bfloat16 projection weights and the LM head for the CPU (Linear.prepack);
+        returns how many were packed. Packing replaces a weight, and needs room for its packed
+        copy only while the plain one is released, except for an LM head tied to the embedding,
+        whose copy stays beside the table. With budget_bytes, a weight whose copy needs more than
+        what is left of it stays plain."""
         packed = 0
         for module in self.linear_modules():
             if module.ggml_type is not None:  # its blocks are what its products read
@@ -171,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if module.prepack():
                 packed += 1
-                budget_bytes = None if budget_bytes is None else budget_bytes - size
+                if budget_bytes is not None and tied is not None:
+                    budget_bytes -= size
         return packed
 
     def hold_quantized_weights(self, tensor_types: dict[str, int]) -> set[str]:
