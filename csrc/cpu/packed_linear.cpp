@@ -1,7 +1,9 @@
 // pack_linear_weight and packed_linear on the CPU: the weight is reordered once, at load, into
-// panels (see kernel_table.h), and each many-row product splits the panels across threads.
+// panels (see kernel_table.h), and each product splits the panels across threads.
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
+
+#include <memory>
 
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
@@ -80,6 +82,10 @@ void check_packed_product(const at::Tensor& out, const at::Tensor& input, const 
   TORCH_CHECK(out.stride(1) == 1, "out must have unit stride in its last dimension, got strides ", out.strides());
 }
 
+// A program node's cells are one panel up to this many rows and four beyond, where the AVX2
+// kernel's widening of the input rows, once per call, would otherwise take a part of each cell.
+constexpr int64_t kFewRowsPerCall = 8;
+
 // Threads get whole panels; a panel is too little work to hand out below ~256K multiply-adds.
 int64_t panels_per_task(int64_t rows, int64_t in_features) {
   return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * kPanel * in_features));
@@ -105,8 +111,9 @@ void run_packed_product(at::Tensor& out, const at::Tensor& input, const at::Tens
 
 namespace {
 
-// packed_linear or packed_silu_and_mul as a program node: each thread takes its share of the
-// panels, as at::parallel_for would cut them.
+// packed_linear or packed_silu_and_mul as a program node: the panels cut into one part per thread
+// as at::parallel_for would cut them, each part handed out a panel at a time (ProductCells), so
+// that a thread done with its part takes panels from the back of a slower one's.
 class PackedProductNode final : public OpNode {
  public:
   explicit PackedProductNode(const NodeArgs& args)
@@ -129,39 +136,40 @@ class PackedProductNode final : public OpNode {
 
   void configure(int64_t threads) override {
     kernel_ = active_kernels().packed_linear;
-    threads_ = threads;
+    if (cells_ == nullptr || cells_->parts() != threads) {
+      cells_ = std::make_unique<ProductCells>(packed_.data_ptr(), packed_.size(0),
+                                              packed_.stride(0) * packed_.element_size(), threads,
+                                              panels_per_task(input_.size(0), input_.size(1)),
+                                              /*tile=*/input_.size(0) <= kFewRowsPerCall ? 1 : 4);
+    }
   }
 
   int64_t units(int) const override { return kShared; }
 
   void run(int, const Turn& turn) override {
-    const Range panels = share(turn.tid, turn.team);
-    if (panels.begin >= panels.end) return;
-    kernel_(out_.data_ptr(), out_.stride(0), out_.scalar_type() == at::kFloat, silu_and_mul_,
-            reinterpret_cast<const bfloat16*>(input_.data_ptr()), input_.stride(0),
-            reinterpret_cast<const bfloat16*>(packed_.data_ptr()),
-            bias_.has_value() ? reinterpret_cast<const bfloat16*>(bias_->data_ptr()) : nullptr, input_.size(0),
-            input_.size(1), out_.size(1), panels.begin, panels.end);
+    if (input_.size(0) == 0) return;
+    cells_->run(
+        turn.tid,
+        [&](int64_t begin, int64_t end) {
+          kernel_(out_.data_ptr(), out_.stride(0), out_.scalar_type() == at::kFloat, silu_and_mul_,
+                  reinterpret_cast<const bfloat16*>(input_.data_ptr()), input_.stride(0),
+                  reinterpret_cast<const bfloat16*>(packed_.data_ptr()),
+                  bias_.has_value() ? reinterpret_cast<const bfloat16*>(bias_->data_ptr()) : nullptr,
+                  input_.size(0), input_.size(1), out_.size(1), begin, end);
+        },
+        turn.round);
   }
 
   const char* first_read(int, int64_t tid) const override {
-    const Range panels = share(tid, threads_);
-    return panels.begin < panels.end
-               ? static_cast<const char*>(packed_.data_ptr()) + panels.begin * packed_.stride(0) * packed_.element_size()
-               : nullptr;
+    return cells_ != nullptr && input_.size(0) > 0 ? cells_->first_read(tid) : nullptr;
   }
 
  private:
-  Range share(int64_t tid, int64_t team) const {
-    if (input_.size(0) == 0) return {0, 0};
-    return share_of(packed_.size(0), panels_per_task(input_.size(0), input_.size(1)), team, tid);
-  }
-
   at::Tensor out_, input_, packed_;
   std::optional<at::Tensor> bias_;
   bool silu_and_mul_;
   PackedLinearFn kernel_ = nullptr;
-  int64_t threads_ = 1;
+  std::unique_ptr<ProductCells> cells_;
 };
 
 }  // namespace

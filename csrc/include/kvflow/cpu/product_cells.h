@@ -1,7 +1,7 @@
-// How the threads share a few-row product (small_linear): the output features cut into one part
-// per thread, each part a row of cells; a thread takes its own part's cells front to back and
-// then the others' from the back. Used by the small_linear op and by the executor's small_linear
-// nodes, which keep theirs from step to step, one round a step.
+// How the threads share a product: the output features cut into one part per thread, each part a
+// row of cells; a thread takes its own part's cells front to back and then the others' from the
+// back. Used by the small_linear op and by the executor's small_linear and packed_linear nodes,
+// which keep theirs from step to step, one round a step.
 #pragma once
 
 #include <algorithm>
@@ -40,16 +40,20 @@ class ProductCells {
   static constexpr uint64_t kRounds = uint64_t(1) << 20;
   static constexpr uint64_t kMaxCells = uint64_t(1) << 22;
 
-  ProductCells(const void* weight, int64_t out_features, int64_t row_bytes, int64_t parts)
+  // grain: a part's least number of output features; tile: the kernel's, of which a cell holds a
+  // whole number. packed_linear's nodes pass its panels as the "features" (row_bytes a panel's
+  // bytes), with their own grain and a tile of one panel.
+  ProductCells(const void* weight, int64_t out_features, int64_t row_bytes, int64_t parts, int64_t grain = kGrain,
+               int64_t tile = 4)
       : weight_(static_cast<const char*>(weight)),
         out_features_(out_features),
         row_bytes_(row_bytes),
         parts_(parts),
         cells_(parts) {
-    cell_ = std::max<int64_t>(4, kCellBytes / std::max<int64_t>(row_bytes, 1) / 4 * 4);
+    cell_ = std::max<int64_t>(tile, kCellBytes / std::max<int64_t>(row_bytes, 1) / tile * tile);
     for (int64_t p = 0; p < parts; ++p) {
       Part& part = cells_[p];
-      part.range = share_of(out_features, kGrain, parts, p);
+      part.range = share_of(out_features, grain, parts, p);
       part.count = uint64_t((part.range.end - part.range.begin + cell_ - 1) / cell_);
       if (part.count >= kMaxCells) throw std::length_error("ProductCells: too many cells in one part");
       part.state.store(pack(0, 0, part.count), std::memory_order_relaxed);  // round 0: every cell left
@@ -112,7 +116,7 @@ class ProductCells {
   }
 
   const char* weight_;
-  int64_t out_features_, row_bytes_, parts_, cell_ = 4;
+  int64_t out_features_, row_bytes_, parts_, cell_;
   std::vector<Part> cells_;
 };
 
