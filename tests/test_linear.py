@@ -238,3 +238,17 @@ def test_prepacked_linear_layer_matches_the_plain_one(rows, cpu_isa):
     logits = tied(x)
     assert tied.prepack() and embedding.weight is not None
     torch.testing.assert_close(tied(x), logits, **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_gate_up_packed_layer_still_gives_the_plain_product_off_the_panel_edge(rows, cpu_isa):
+    # d = 25: the last panel holds one gate and one up feature, the rest padding.
+    from kvflow.layers import GateUpLinear
+
+    torch.manual_seed(rows)
+    layer = GateUpLinear(33, 25, dtype=torch.bfloat16)
+    layer.weight.normal_(std=0.2)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(rows, 33, dtype=torch.bfloat16)
+    assert layer.prepack() and layer.packed_weight.gate_up
+    torch.testing.assert_close(layer(x).double(), packed_reference(x, weight), rtol=8e-3, atol=1e-2)
