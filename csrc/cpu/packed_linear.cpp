@@ -82,10 +82,6 @@ void check_packed_product(const at::Tensor& out, const at::Tensor& input, const 
   TORCH_CHECK(out.stride(1) == 1, "out must have unit stride in its last dimension, got strides ", out.strides());
 }
 
-// A program node's cells are one panel up to this many rows and four beyond, where the AVX2
-// kernel's widening of the input rows, once per call, would otherwise take a part of each cell.
-constexpr int64_t kFewRowsPerCall = 8;
-
 // Threads get whole panels; a panel is too little work to hand out below ~256K multiply-adds.
 int64_t panels_per_task(int64_t rows, int64_t in_features) {
   return std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, rows * kPanel * in_features));
@@ -137,10 +133,12 @@ class PackedProductNode final : public OpNode {
   void configure(int64_t threads) override {
     kernel_ = active_kernels().packed_linear;
     if (cells_ == nullptr || cells_->parts() != threads) {
+      // Four panels a cell past the few rows: the AVX2 kernel widens the input rows once per
+      // call, which would otherwise take a part of each cell.
       cells_ = std::make_unique<ProductCells>(packed_.data_ptr(), packed_.size(0),
                                               packed_.stride(0) * packed_.element_size(), threads,
                                               panels_per_task(input_.size(0), input_.size(1)),
-                                              /*tile=*/input_.size(0) <= kFewRowsPerCall ? 1 : 4);
+                                              /*tile=*/input_.size(0) <= kPackedLinearFewRows ? 1 : 4);
     }
   }
 

@@ -134,8 +134,6 @@ class Linear(nn.Module):
         return self._pack(gate_up=False)
 
     def _pack(self, gate_up: bool) -> bool:
-        if self.ggml_type is not None:
-            return False
         self.packed_weight = PackedWeight.of(self.weight, gate_up)
         if self.packed_weight is None:
             return False

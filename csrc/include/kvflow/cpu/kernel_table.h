@@ -139,6 +139,9 @@ constexpr int64_t kPackedLinearPanel = 48;
 // features [24p, 24p + 24) in its first half and the matching up features in its second, so
 // that silu(gate) * up comes out of one panel's accumulators (packed_silu_and_mul).
 constexpr int64_t kGateUpHalfPanel = kPackedLinearPanel / 2;
+// Up to this many rows, packed_linear's kernels read each panel as one sequential stream a few
+// rows at a time, so a call of any size up to it takes one panel at a time just as cheaply.
+constexpr int64_t kPackedLinearFewRows = 8;
 
 // out[r, o] = sum_k x[r, k] * weight[o, k] (+ bias[o]) for the output features of panels
 // [begin, end) of a weight in pack_linear_weight's layout: the many-row matmul of prefill and

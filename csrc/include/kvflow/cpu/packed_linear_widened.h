@@ -43,11 +43,16 @@ struct PackedLinearWidened {
   // registers), so that each thread reads its panels as one sequential stream, prefetched
   // kStreamAhead values ahead. The sub-tiles of many rows would read a panel as kPanel /
   // kTileFeatures strided streams. Each feature's sum runs in the same order either way.
-  static constexpr int64_t kFewRows = 8;
+  static constexpr int64_t kFewRows = kPackedLinearFewRows;
   static constexpr int kFewRowBlock = 4;
   static constexpr int64_t kStreamAhead = 2048;  // bfloat16 values
   static constexpr int kPanelVectors = kPanel / W;
   static_assert(kFewRowBlock <= kRows, "the sums buffer holds kRows rows");
+
+  // Asks for the kStreamAhead-th step's lines after w (one step is 2 * kPanel values).
+  static void prefetch_step_ahead(const bfloat16* w) {
+    for (int line = 0; line < 2 * kPanel; line += 32) __builtin_prefetch(w + kStreamAhead + line, 0, 2);
+  }
 
   // sums[r][j] = x[r] . panel feature j for j in [0, kVectorsNow * W); stream: ask for all of
   // each step's lines kStreamAhead values ahead (the panel's first pass).
@@ -59,9 +64,7 @@ struct PackedLinearWidened {
       for (int v = 0; v < kVectorsNow; ++v) acc[r][v] = V::zero();
     }
     for (int64_t k2 = 0; k2 < pairs; ++k2) {
-      if (stream) {
-        for (int line = 0; line < 2 * kPanel; line += 32) __builtin_prefetch(w + kStreamAhead + line, 0, 2);
-      }
+      if (stream) prefetch_step_ahead(w);
       typename V::Reg a0[kRowsNow], a1[kRowsNow];
       for (int r = 0; r < kRowsNow; ++r) {
         a0[r] = V::set1(x[r * x_stride + 2 * k2]);
@@ -111,9 +114,7 @@ struct PackedLinearWidened {
       for (int v = 0; v < kVectors; ++v) acc[r][v] = V::zero();
     }
     for (int64_t k2 = 0; k2 < pairs; ++k2) {
-      if (stream) {
-        for (int line = 0; line < 2 * kPanel; line += 32) __builtin_prefetch(w + kStreamAhead + line, 0, 2);
-      }
+      if (stream) prefetch_step_ahead(w);
       typename V::Reg even[kVectors], odd[kVectors];
       for (int v = 0; v < kVectors; ++v) V::load_pair_halves(w + 2 * W * v, even[v], odd[v]);
       for (int r = 0; r < kRowsNow; ++r) {
