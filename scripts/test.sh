@@ -6,14 +6,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+phase_started=$SECONDS
+phase() {
+  echo "   (took $((SECONDS - phase_started)) s)"
+  phase_started=$SECONDS
+  echo "== $1"
+}
+
 EXTRAS=test . scripts/install.sh
 
-echo "== C++ unit tests"
+phase "C++ unit tests"
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build/cmake -j "${MAX_JOBS:-2}"
 ctest --test-dir build/cmake --output-on-failure
 
-echo "== CUDA compile check (sm_90a)"
+phase "CUDA compile check (sm_90a)"
 cuda_home=${CUDA_HOME:-}
 for candidate in "$cuda_home" /usr/local/cuda /usr/local/cuda-*; do
   if [ -n "$candidate" ] && [ -x "$candidate/bin/nvcc" ] && [ -f "$candidate/include/cuda_runtime.h" ]; then
@@ -33,8 +40,9 @@ else
   echo "no CUDA toolkit found: CUDA compile check not run"
 fi
 
-echo "== emulated CPUs (qemu-user): AVX2 without AVX-512, and no AVX2 at all"
+phase "emulated CPUs (qemu-user): AVX2 without AVX-512, and no AVX2 at all"
 bash scripts/emulated_cpu_check.sh
 
-echo "== pytest"
-python -m pytest -q --durations=20 tests
+phase "pytest"
+python -m pytest -q --durations="${PYTEST_DURATIONS:-20}" tests
+phase "done in $SECONDS s"
