@@ -16,7 +16,8 @@ Each run measures:
 - the process's resident memory after the runs (VmRSS).
 
 With --dequantize-weights both builds run the bf16 path (the embedded model's weights
-dequantized at load, as a bf16 checkpoint would load).
+dequantized at load, as a bf16 checkpoint would load); a build from before quantized weights
+always does.
 
     python benchmarks/bench_builds.py --a ../before/python --b python --pairs 6 --offline
 """
@@ -39,8 +40,9 @@ def weights_read_per_token(model) -> int:
     at one row)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
-        if "weight" in module._parameters and module.weight is None and module.packed_weight is not None:
-            total += module.packed_weight.data.nbytes
+        packed = getattr(module, "packed_weight", None)
+        if "weight" in module._parameters and module.weight is None and packed is not None:
+            total += packed.data.nbytes
     return total
 
 
@@ -50,11 +52,23 @@ def resident_mib() -> float:
     return kib / 1024
 
 
+def load_options(dequantize_weights: bool) -> dict:
+    """LLM options for this build: a build from before quantized weights has no
+    dequantize_weights option, and loads every GGUF file dequantized."""
+    import dataclasses
+
+    from kvflow.engine.config import EngineConfig
+
+    if "dequantize_weights" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return {}
+    return {"dequantize_weights": dequantize_weights}
+
+
 def one_run(offline: bool, dequantize_weights: bool) -> dict:
     from kvflow import LLM, SamplingParams
     from timing import read_bandwidth
 
-    llm = LLM(dequantize_weights=dequantize_weights)
+    llm = LLM(**load_options(dequantize_weights))
     weight_bytes = weights_read_per_token(llm.engine.runner.model)
     vocab = llm.tokenizer.vocab_size
     rng = random.Random(0)
