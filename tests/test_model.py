@@ -15,9 +15,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from transformers import AutoModelForCausalLM
 
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest

@@ -31,8 +31,8 @@ TP_SHAPE = dict(SHAPE, hidden_size=256, intermediate_size=512, num_attention_hea
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, smollm2_hf_tokenizer):
-    tokenizer = smollm2_hf_tokenizer
     root = tmp_path_factory.mktemp("tp")
+    tokenizer = smollm2_hf_tokenizer
     llama = save_randomised(LlamaForCausalLM(LlamaConfig(**dict(TP_SHAPE, num_key_value_heads=2),
                                                          tie_word_embeddings=False)), root / "llama", tokenizer)
     # An odd vocabulary (the tokenizer's 49152 ids and 3 more rows): the last rank's table is padded.
@@ -95,9 +95,8 @@ def test_gguf_blocks_shard_by_whole_blocks(kind, checkpoints, tmp_path, smollm2_
     bytes (a quantized o_proj's 128 input features per rank are whole Q8_0 or Q5_0 blocks but not
     whole 256-value K-quant blocks: those are dequantized at load), and greedy tokens are those of
     one process wherever its top two logprobs are not within QUANTIZED_NEAR_TIE."""
-    tokenizer = smollm2_hf_tokenizer
     config = Qwen2Config(**dict(TP_SHAPE, num_key_value_heads=2), tie_word_embeddings=False, use_sliding_window=False)
-    reference = save_randomised(Qwen2ForCausalLM(config), tmp_path / "hf", tokenizer)
+    reference = save_randomised(Qwen2ForCausalLM(config), tmp_path / "hf", smollm2_hf_tokenizer)
     path = as_gguf(reference, tmp_path / "model.gguf", "qwen2", quantized=quantization_plan(reference.config, kind),
                    with_vocabulary=True)
     one = make_llm(path, 1)

@@ -10,9 +10,9 @@ import gguf
 import jinja2
 import pytest
 import sentencepiece
-from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from transformers import AutoTokenizer
 
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
 from kvflow.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
