@@ -35,12 +35,6 @@ struct QuantizedLinearPlan {
   bool interleaved;  // the weight in kvflow's interleaved layout of Q4_0 / Q4_1 (gguf_blocks.h)
   int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
   int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
-  // Output features a thread takes, as whole groups where the weight is interleaved.
-  Range features(int64_t team, int64_t tid) const {
-    if (!interleaved) return share_of(out_features, kFeaturesPerTask, team, tid);
-    const Range groups = share_of(out_features / kInterleavedRows, kFeaturesPerTask / kInterleavedRows, team, tid);
-    return {groups.begin * kInterleavedRows, groups.end * kInterleavedRows};
-  }
 };
 
 // The active instruction set's kernel for an interleaved weight, or null where it has none.
@@ -163,7 +157,11 @@ struct QuantizedInput {
   QuantizedRows rows() const { return {q.data(), scale_sum.data(), blocks}; }
 };
 
-// Phase 0 quantizes the input rows (shared by row), phase 1 multiplies (shared by output feature).
+// Phase 0 quantizes the input rows, each thread its own as the row-local node before it left
+// them (so no barrier comes between); phase 1 multiplies, the output cut into one part per thread
+// and handed out in cells (ProductCells): a thread done with its part takes cells from the back
+// of a slower one's. A cell is whole groups of an interleaved weight, whole panels on the
+// many-row path.
 class QuantizedLinearNode final : public OpNode {
  public:
   explicit QuantizedLinearNode(const NodeArgs& args)
@@ -180,40 +178,60 @@ class QuantizedLinearNode final : public OpNode {
   }
 
   void configure(int64_t threads) override {
-    if (geometry_.panels) {
-      panel_scratch_.assign(size_t(threads), std::vector<bfloat16>(size_t(geometry_.panel_elems())));
+    const QuantizedLinearPlan& g = geometry_;
+    if (g.panels) {
+      panel_scratch_.assign(size_t(threads), std::vector<bfloat16>(size_t(g.panel_elems())));
     } else {
-      rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(geometry_.chunks * kQuantBlock)));
+      rows_scratch_.assign(size_t(threads), std::vector<float>(size_t(g.chunks * kQuantBlock)));
     }
-    gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(gather_bytes(geometry_))));
+    gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(gather_bytes(g))));
+    if (cells_ == nullptr || cells_->parts() != threads) {
+      const int64_t cell_units = g.panels ? g.num_panels() : g.out_features / unit_features();
+      cells_ = std::make_unique<ProductCells>(weight_.data_ptr(), cell_units, unit_features() * g.row_bytes, threads,
+                                              g.panels ? 1 : kFeaturesPerTask / unit_features(), /*tile=*/1);
+    }
   }
 
   int phases() const override { return 2; }
-  int64_t units(int) const override { return kShared; }
+  int64_t units(int phase) const override { return phase == 0 ? geometry_.rows : kShared; }
 
   void run(int phase, const Turn& turn) override {
     const QuantizedLinearPlan& g = geometry_;
-    if (g.panels) {
-      if (phase == 0) return;
-      const Range panels = share_of(g.num_panels(), 1, turn.team, turn.tid);
-      multiply_panels(g, out_, input_, weight_.data_ptr<uint8_t>(),
-                      bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data(), panels.begin, panels.end,
-                      panel_scratch_[size_t(turn.tid)].data());
-      return;
-    }
+    if (g.rows == 0 || g.out_features == 0) return;
     if (phase == 0) {
+      if (g.panels) return;
       const Range rows = share_of(g.rows, 1, turn.team, turn.tid);
       quantized_.quantize(input_, rows.begin, rows.end, rows_scratch_[size_t(turn.tid)].data());
       return;
     }
-    const Range features = g.features(turn.team, turn.tid);
-    if (features.begin >= features.end || g.rows == 0) return;
-    multiply_rows(g, out_.data_ptr(), quantized_.rows(), weight_.data_ptr<uint8_t>(),
-                  bias_.defined() ? bias_.data_ptr<float>() : nullptr, features.begin, features.end,
-                  gathered_[size_t(turn.tid)].data());
+    const auto* weight = weight_.data_ptr<uint8_t>();
+    if (g.panels) {
+      bfloat16* scratch = panel_scratch_[size_t(turn.tid)].data();
+      const bfloat16* bias = bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data();
+      cells_->run(
+          turn.tid, [&](int64_t begin, int64_t end) { multiply_panels(g, out_, input_, weight, bias, begin, end, scratch); },
+          turn.round);
+      return;
+    }
+    const int64_t unit = unit_features();
+    const float* bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    uint8_t* gathered = gathered_[size_t(turn.tid)].data();
+    cells_->run(
+        turn.tid,
+        [&](int64_t begin, int64_t end) {
+          multiply_rows(g, out_.data_ptr(), quantized_.rows(), weight, bias, begin * unit, end * unit, gathered);
+        },
+        turn.round);
+  }
+
+  const char* first_read(int phase, int64_t tid) const override {
+    return phase == 1 && cells_ != nullptr ? cells_->first_read(tid) : nullptr;
   }
 
  private:
+  // Output features per unit of the cells on the few-row path: a group of an interleaved weight.
+  int64_t unit_features() const { return geometry_.interleaved ? kInterleavedRows : 1; }
+
   at::Tensor out_, input_, weight_;
   QuantizedLinearPlan geometry_;
   at::Tensor bias_;  // the int8 path's, float32, or undefined
@@ -222,6 +240,7 @@ class QuantizedLinearNode final : public OpNode {
   std::vector<std::vector<float>> rows_scratch_;
   std::vector<std::vector<bfloat16>> panel_scratch_;
   std::vector<std::vector<uint8_t>> gathered_;  // each thread's GGUF rows of an interleaved weight
+  std::unique_ptr<ProductCells> cells_;
 };
 
 }  // namespace

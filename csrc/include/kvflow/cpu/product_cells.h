@@ -1,7 +1,7 @@
 // How the threads share a product: the output features cut into one part per thread, each part a
 // row of cells; a thread takes its own part's cells front to back and then the others' from the
-// back. Used by the small_linear op and by the executor's small_linear and packed_linear nodes,
-// which keep theirs from step to step, one round a step.
+// back. Used by the small_linear op and by the executor's small_linear, packed_linear and
+// quantized_linear nodes, which keep theirs from step to step, one round a step.
 #pragma once
 
 #include <algorithm>
