@@ -34,18 +34,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def weights_read_per_token(model) -> int:
-    """The bytes of the weights a decode step reads: the parameters, and the packed weights that
-    replaced theirs (a build that keeps plain weights beside packed copies reads the plain ones
-    at one row)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        if "weight" in module._parameters and module.weight is None and packed is not None:
-            total += packed.data.nbytes
-    return total
-
-
 def resident_mib() -> float:
     with open("/proc/self/status") as status:
         kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
@@ -66,7 +54,7 @@ def load_options(dequantize_weights: bool) -> dict:
 
 def one_run(offline: bool, dequantize_weights: bool) -> dict:
     from kvflow import LLM, SamplingParams
-    from timing import read_bandwidth
+    from timing import read_bandwidth, weights_read_per_token
 
     llm = LLM(**load_options(dequantize_weights))
     weight_bytes = weights_read_per_token(llm.engine.runner.model)

@@ -76,13 +76,13 @@ def write_random_checkpoint(name: str, directory: str) -> None:
 
 def one_model(model: str | None, requests: int) -> dict:
     from kvflow import LLM, SamplingParams
-    from timing import read_bandwidth
+    from timing import read_bandwidth, weights_read_per_token
 
     start = time.perf_counter()
     llm = LLM(model=model, max_model_len=1024)
     load_seconds = time.perf_counter() - start
     graph = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in graph.parameters())
+    weight_bytes = weights_read_per_token(graph)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)

@@ -23,7 +23,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.loader import load_model, resolve_model_path
-from timing import read_bandwidth, write_markdown
+from timing import read_bandwidth, weights_read_per_token, write_markdown
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -45,7 +45,7 @@ def kvflow_run(model: str | None, dtype: str, prompt_len: int, new_tokens: int, 
               dequantize_weights=dequantize)
     ids = prompt_ids(llm.tokenizer, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weight_bytes = weights_read_per_token(llm.engine.runner.model)
     ttfts, tpots, floor_ratios = [], [], []
     # The read bandwidth right before and right after each run, averaged: this VM's bandwidth
     # moves by 1.5x from one minute to the next, so a floor measured once drifts away from the

@@ -41,7 +41,7 @@ from kvflow import LLM, SamplingParams, platform
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.loader import load_model, resolve_model_path
-from timing import read_bandwidth, write_markdown
+from timing import read_bandwidth, weights_read_per_token, write_markdown
 
 _RSS_PROBE = """
 import sys, torch
@@ -126,7 +126,7 @@ def measure(args) -> None:
     for name, dequantize in (("quantized", False), ("bf16", True)):
         engines[name] = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=1 << 30,
                             dequantize_weights=dequantize)
-    weight_bytes = {name: sum(p.nbytes for p in llm.engine.runner.model.parameters())
+    weight_bytes = {name: weights_read_per_token(llm.engine.runner.model)
                     for name, llm in engines.items()}
     rng = random.Random(0)
     vocab = engines["quantized"].engine.model_config.vocab_size
@@ -174,7 +174,7 @@ def measure(args) -> None:
     floor_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor"] for row in rows)
     lines += ["", f"medians: quantized / bf16 TTFT {summary['ttft']:.2f}x, TPOT {summary['tpot']:.2f}x, offline "
                   f"throughput {summary['offline']:.2f}x; quantized TPOT {floor_ratio:.2f}x its bytes floor"]
-    lines += ["", "| weights | parameters (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
+    lines += ["", "| weights | weights read per token (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
     for name, dequantize in (("quantized", False), ("bf16", True)):
         lines.append(f"| {name} | {weight_bytes[name] / 1e6:.1f} | {loaded_rss(args.model, dequantize) / 1e6:.1f} |")
     quantized, tokens = perplexity(args.model, torch.bfloat16, dequantize=False)

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import torch
 
 from kvflow import LLM, SamplingParams, platform
-from timing import read_bandwidth, write_markdown
+from timing import read_bandwidth, weights_read_per_token, write_markdown
 
 
 def run_json(command: list[str]) -> list[dict]:
@@ -115,7 +115,7 @@ def main():
     threads = args.threads or torch.get_num_threads()
     cpu = platform.current()
     llm = LLM(args.model, kv_cache_memory=1 << 30)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weight_bytes = weights_read_per_token(llm.engine.runner.model)
     header = [f"kvflow vs llama.cpp, {cpu.model} ({cpu.isa} kernels; features: "
               f"{', '.join(f for f, on in cpu.features.items() if on)}), {torch.get_num_threads()} threads, "
               f"kvflow {llm.engine.config.dtype} against llama.cpp on {os.path.basename(args.gguf)}; "

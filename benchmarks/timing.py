@@ -1,6 +1,6 @@
 """What every benchmark here shares: the one timing rule (warm up, then the median of several
-runs, synchronising around each run on CUDA), the machine's read bandwidth, and the --markdown
-copy of a report."""
+runs, synchronising around each run on CUDA), the machine's read bandwidth, the bytes of weights
+a decode step reads, and the --markdown copy of a report."""
 
 import statistics
 import time
@@ -30,6 +30,18 @@ def read_bandwidth(device: str = "cpu") -> float:
     x = torch.ones(128 << 20, dtype=torch.float32, device=device)
     best = min(timed(lambda: x.sum(), device, 1 if i else 2, 1) for i in range(10))
     return x.numel() * 4 / best / 1e9
+
+
+def weights_read_per_token(model) -> int:
+    """The bytes of the weights a decode step reads: the parameters, and the packed weights that
+    replaced theirs (a build that keeps plain weights beside packed copies reads the plain ones
+    at one row). A model's parameters alone leave out every packed bf16 weight."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if "weight" in module._parameters and module.weight is None and packed is not None:
+            total += packed.data.nbytes
+    return total
 
 
 def write_markdown(path: str | None, lines: list[str]) -> None:
