@@ -1,10 +1,10 @@
 // quantized_linear on the CPU. Few rows (decode): the input rows are quantized to int8 per
 // 32-block once, then each thread takes a contiguous part of the output features and streams its
 // weight rows, in their GGUF blocks, front to back; as a program node, the same two halves are two
-// phases, and a thread done with its part takes cells of a slower one's. Many bfloat16 rows (prefill, batched decode): each thread dequantizes one panel of
-// kPackedLinearPanel weight rows at a time into packed_linear's layout, in its own scratch, and
-// runs packed_linear's kernel on it for every row, so a weight is dequantized once per call, not
-// once per row.
+// phases, and a thread done with its part takes cells of a slower one's. Many bfloat16 rows
+// (prefill, batched decode): each thread dequantizes one panel of kPackedLinearPanel weight rows
+// at a time into packed_linear's layout, in its own scratch, and runs packed_linear's kernel on
+// it for every row, so a weight is dequantized once per call, not once per row.
 #include <ATen/Parallel.h>
 
 #include <string>
