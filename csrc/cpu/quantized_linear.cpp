@@ -209,7 +209,8 @@ class QuantizedLinearNode final : public OpNode {
       bfloat16* scratch = panel_scratch_[size_t(turn.tid)].data();
       const bfloat16* bias = bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data();
       cells_->run(
-          turn.tid, [&](int64_t begin, int64_t end) { multiply_panels(g, out_, input_, weight, bias, begin, end, scratch); },
+          turn.tid,
+          [&](int64_t begin, int64_t end) { multiply_panels(g, out_, input_, weight, bias, begin, end, scratch); },
           turn.round);
       return;
     }
