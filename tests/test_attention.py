@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import DTYPES, TOLERANCES
-from kvflow import AttentionMetadata, ops
+from kvflow import AttentionMetadata, ops, platform
 
 
 def reference_attention(query, key_cache, value_cache, query_lens, seq_lens, tables, scale, window=-1, cap=0.0):
@@ -126,6 +126,38 @@ def test_batch_of_64(device):
     query_lens = [1] * 48 + [rng.randint(2, 40) for _ in range(16)]
     seq_lens = [q + rng.randint(0, 150) for q in query_lens]
     run_case(device, query_lens, seq_lens, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_q,num_kv", [(9, 3), (16, 2)])
+def test_a_row_is_bit_equal_alone_and_among_new_tokens(device, dtype, num_q, num_kv):
+    """Batch-invariant mode: a query row gets the same bits when it is its request's only new
+    token as when it is the last of 5 (a speculative verification), whose rows the CPU kernel
+    reads the cache for in another way. Every context length up to 5 blocks, as a difference
+    in float32 survives rounding to bfloat16 in only a few of a row's values."""
+    torch.manual_seed(0)
+    block_size, head_dim = 16, 64
+    cache_shape = (8, block_size, num_kv, head_dim)
+    key_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    value_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    queries = torch.randn(5, num_q, head_dim, dtype=dtype, device=device)
+    table = [[3, 0, 6, 1, 5]]
+
+    def attend(query, context):
+        md = AttentionMetadata.build([query.shape[0]], [context], table, block_size, device)
+        return ops.paged_attention(query, key_cache, value_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens,
+                                   0.125, md.max_query_len, md.max_seq_len)
+
+    platform.set_batch_invariant(True)
+    try:
+        for context in range(5, 5 * block_size + 1):
+            among_five = attend(queries, context)[-1]
+            alone = attend(queries[-1:], context)[0]
+            assert torch.equal(alone, among_five), f"context {context}"
+    finally:
+        platform.set_batch_invariant(False)
+    expected = reference_attention(queries[-1:], key_cache, value_cache, [1], [context], table, 0.125, -1, 0.0)
+    torch.testing.assert_close(alone.float(), expected[0], **TOLERANCES[dtype])
 
 
 def test_attention_metadata_build():

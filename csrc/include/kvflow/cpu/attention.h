@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvflow/cpu/kernel_table.h"
@@ -155,6 +157,76 @@ inline void finish_row(const PagedAttentionArgs& a, const AttentionWorkItem& it,
   }
 }
 
+// Whether V reads 2W bfloat16 values as their even- and odd-indexed halves (load_pair_halves).
+template <class V, class = void>
+struct HasPairHalves : std::false_type {};
+template <class V>
+struct HasPairHalves<V, std::void_t<decltype(V::load_pair_halves(std::declval<const bfloat16*>(),
+                                                                 std::declval<typename V::Reg&>(),
+                                                                 std::declval<typename V::Reg&>()))>>
+    : std::true_type {};
+
+// bfloat16 caches on a V with load_pair_halves widen each 2W values of a K or V row into their
+// even- and odd-indexed halves (a shift and a mask): the split order, in which the query and the
+// accumulator of a row are kept too, undone once when the row is written. Where few rows share a
+// kv head (decode), K and V are read in place so; where many do, a chunk's rows are widened into
+// float32 scratch once per kv head, which pays off when enough rows read them. The two give the
+// same bits, in the same order of operations, so a row's result never depends on how many rows
+// share its item (batch-invariant mode).
+template <class V, typename T, int HD>
+constexpr bool kSplitPairs = std::is_same_v<T, bfloat16> && HasPairHalves<V>::value && HD % (2 * V::kWidth) == 0;
+constexpr int64_t kMaxInPlaceRows = 8;  // rows of one kv head
+
+// widen_chunk for the split order.
+template <class V, int HD>
+inline void widen_chunk_split(const bfloat16* src, int64_t row_stride, int n, float* dst) {
+  constexpr int W = V::kWidth;
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < HD; i += 2 * W) {
+      typename V::Reg even, odd;
+      V::load_pair_halves(src + j * row_stride + i, even, odd);
+      V::store(dst + j * HD + i, even);
+      V::store(dst + j * HD + i + W, odd);
+    }
+  }
+  std::fill(dst + n * HD, dst + kKeyChunk * HD, 0.f);
+}
+
+// Scores of one query row (split order, already scaled) against 16 keys read in place:
+// sc[j] = q . k[j], key j's row at k + j * row_stride.
+template <class V, int HD>
+inline void chunk_scores_split(const float* q, const bfloat16* k, int64_t row_stride, float* sc) {
+  constexpr int W = V::kWidth;
+  for (int jb = 0; jb < kKeyChunk; jb += W) {
+    typename V::Reg sums[W];
+    for (int j = 0; j < W; ++j) {
+      const bfloat16* kj = k + (jb + j) * row_stride;
+      typename V::Reg even, odd;
+      V::load_pair_halves(kj, even, odd);
+      typename V::Reg s = V::fmadd(V::load(q + W), odd, V::mul(V::load(q), even));
+      for (int i = 2 * W; i < HD; i += 2 * W) {
+        V::load_pair_halves(kj + i, even, odd);
+        s = V::fmadd(V::load(q + i), even, s);
+        s = V::fmadd(V::load(q + i + W), odd, s);
+      }
+      sums[j] = s;
+    }
+    V::store(sc + jb, V::transpose_sum(sums));
+  }
+}
+
+// A row of HD floats from split order (each 2W values: the W even-indexed, then the W odd-indexed)
+// into natural order, or back.
+template <int W, int HD>
+inline void unsplit_pairs(const float* split, float* natural) {
+  for (int i = 0; i < HD; i += 2 * W) {
+    for (int l = 0; l < W; ++l) {
+      natural[i + 2 * l] = split[i + l];
+      natural[i + 2 * l + 1] = split[i + W + l];
+    }
+  }
+}
+
 template <class V, typename T, int HD>
 void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin, int64_t end) {
   constexpr int W = V::kWidth;
@@ -167,7 +239,9 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
   const int64_t max_rows = max_item_rows(items, begin, end, group);
   std::vector<float> q_rows(max_rows * HD), acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
   std::vector<float> k_chunk(kKeyChunk * HD), v_chunk(kKeyChunk * HD);
-  float sc[kKeyChunk], p[kKeyChunk];
+  alignas(64) float sc[kKeyChunk];
+  alignas(64) float p[kKeyChunk];
+  alignas(64) float natural[HD];
 
   for (int64_t item_index = begin; item_index < end; ++item_index) {
     const AttentionWorkItem& it = items[item_index];
@@ -178,12 +252,23 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
     const int64_t rows_per_kv_head = it.q_count * group;
     const int64_t rows = it.kv_count * rows_per_kv_head;
     const int32_t* block_table = a.block_tables + it.request * a.max_blocks_per_seq;
+    const bool in_place = kSplitPairs<V, T, HD> && rows_per_kv_head <= kMaxInPlaceRows;
 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = first_token + it.q_begin + (r % rows_per_kv_head) / group;
       const int64_t head = it.kv_head * group + r / rows_per_kv_head * group + r % group;
       const T* q = static_cast<const T*>(a.query) + token * a.q_stride + head * HD;
-      for (int v = 0; v < NV; ++v) V::store(&q_rows[r * HD + v * W], V::mul(V::load(q + v * W), V::set1(a.scale)));
+      float* q_row = &q_rows[r * HD];
+      if constexpr (kSplitPairs<V, T, HD>) {
+        for (int i = 0; i < HD; i += 2 * W) {
+          typename V::Reg even, odd;
+          V::load_pair_halves(q + i, even, odd);
+          V::store(q_row + i, V::mul(even, V::set1(a.scale)));
+          V::store(q_row + i + W, V::mul(odd, V::set1(a.scale)));
+        }
+      } else {
+        for (int v = 0; v < NV; ++v) V::store(q_row + v * W, V::mul(V::load(q + v * W), V::set1(a.scale)));
+      }
       std::fill(&acc_rows[r * HD], &acc_rows[r * HD] + HD, 0.f);
       m_rows[r] = neg_inf;
       l_rows[r] = 0.f;
@@ -200,12 +285,23 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
       const int n = int(std::min<int64_t>(kKeyChunk, key_hi - c0));
       const int64_t block = block_table[c0 / a.block_size];
       const int64_t first_slot = block * a.block_size + c0 % a.block_size;
+      const T* k_rows = nullptr;
+      const T* v_rows = nullptr;
       for (int64_t r = 0; r < rows; ++r) {
         prefetch.issue(r);
-        if (r % rows_per_kv_head == 0) {  // first row of the next kv head: widen its K and V rows
+        if (r % rows_per_kv_head == 0) {  // first row of the next kv head
           const int64_t offset = first_slot * kv_row_stride + (it.kv_head + r / rows_per_kv_head) * HD;
-          widen_chunk<V, T, HD>(static_cast<const T*>(a.key_cache) + offset, kv_row_stride, n, k_chunk.data());
-          widen_chunk<V, T, HD>(static_cast<const T*>(a.value_cache) + offset, kv_row_stride, n, v_chunk.data());
+          k_rows = static_cast<const T*>(a.key_cache) + offset;
+          v_rows = static_cast<const T*>(a.value_cache) + offset;
+          if constexpr (kSplitPairs<V, T, HD>) {
+            if (!in_place) {
+              widen_chunk_split<V, HD>(k_rows, kv_row_stride, n, k_chunk.data());
+              widen_chunk_split<V, HD>(v_rows, kv_row_stride, n, v_chunk.data());
+            }
+          } else {
+            widen_chunk<V, T, HD>(k_rows, kv_row_stride, n, k_chunk.data());
+            widen_chunk<V, T, HD>(v_rows, kv_row_stride, n, v_chunk.data());
+          }
         }
         const int64_t pos = first_pos + (r % rows_per_kv_head) / group;
         int64_t lo = std::max<int64_t>(it.key_begin, c0);
@@ -213,30 +309,62 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
         const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
         if (lo >= hi) continue;
         const int j_lo = int(lo - c0), j_hi = int(hi - c0);
+        const bool whole_chunk = j_lo == 0 && j_hi == kKeyChunk;
 
-        chunk_scores<V, HD>(&q_rows[r * HD], k_chunk.data(), sc);
+        // Read in place, the keys past the chunk's n rows are read too (the block holds them, whatever
+        // their contents); masked to -inf here and to 0 below, they never count.
+        if (in_place) {
+          if constexpr (kSplitPairs<V, T, HD>) chunk_scores_split<V, HD>(&q_rows[r * HD], k_rows, kv_row_stride, sc);
+        } else {
+          chunk_scores<V, HD>(&q_rows[r * HD], k_chunk.data(), sc);
+        }
         if (a.soft_cap > 0.f) soft_cap_scores<V>(sc, a.soft_cap);
-        float chunk_max = neg_inf;
-        for (int j = j_lo; j < j_hi; ++j) chunk_max = std::max(chunk_max, sc[j]);
-        const float m_new = std::max(m_rows[r], chunk_max);
+        if (!whole_chunk) {
+          for (int j = 0; j < kKeyChunk; ++j) {
+            if (j < j_lo || j >= j_hi) sc[j] = neg_inf;
+          }
+        }
+        typename V::Reg chunk_max = V::load(sc);
+        for (int jb = W; jb < kKeyChunk; jb += W) chunk_max = V::max(chunk_max, V::load(sc + jb));
+        const float m_new = std::max(m_rows[r], V::reduce_max(chunk_max));
         // 0 on the first chunk; 1 whenever the max holds, which is most chunks after the first few.
         const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
         for (int jb = 0; jb < kKeyChunk; jb += W) {
           V::store(p + jb, V::exp(V::sub(V::load(sc + jb), V::set1(m_new))));
         }
-        float chunk_sum = 0.f;
-        for (int j = j_lo; j < j_hi; ++j) chunk_sum += p[j];
-        l_rows[r] = l_rows[r] * correction + chunk_sum;
+        if (!whole_chunk) {
+          for (int j = 0; j < kKeyChunk; ++j) {
+            if (j < j_lo || j >= j_hi) p[j] = 0.f;
+          }
+        }
+        typename V::Reg chunk_sum = V::load(p);
+        for (int jb = W; jb < kKeyChunk; jb += W) chunk_sum = V::add(chunk_sum, V::load(p + jb));
+        l_rows[r] = l_rows[r] * correction + V::reduce_add(chunk_sum);
         m_rows[r] = m_new;
 
         float* acc_row = &acc_rows[r * HD];
         typename V::Reg acc[NV];
         const auto vcorr = V::set1(correction);
         for (int v = 0; v < NV; ++v) acc[v] = V::mul(V::load(acc_row + v * W), vcorr);
-        for (int j = j_lo; j < j_hi; ++j) {
-          const auto pj = V::set1(p[j]);
-          const float* vj = &v_chunk[j * HD];
-          for (int v = 0; v < NV; ++v) acc[v] = V::fmadd(pj, V::load(vj + v * W), acc[v]);
+        if (in_place) {
+          if constexpr (kSplitPairs<V, T, HD>) {
+            for (int j = j_lo; j < j_hi; ++j) {
+              const auto pj = V::set1(p[j]);
+              const T* vj = v_rows + j * kv_row_stride;
+              for (int v = 0; v < NV; v += 2) {
+                typename V::Reg even, odd;
+                V::load_pair_halves(vj + v * W, even, odd);
+                acc[v] = V::fmadd(pj, even, acc[v]);
+                acc[v + 1] = V::fmadd(pj, odd, acc[v + 1]);
+              }
+            }
+          }
+        } else {
+          for (int j = j_lo; j < j_hi; ++j) {
+            const auto pj = V::set1(p[j]);
+            const float* vj = &v_chunk[j * HD];
+            for (int v = 0; v < NV; ++v) acc[v] = V::fmadd(pj, V::load(vj + v * W), acc[v]);
+          }
         }
         for (int v = 0; v < NV; ++v) V::store(acc_row + v * W, acc[v]);
       }
@@ -245,7 +373,12 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = first_token + it.q_begin + (r % rows_per_kv_head) / group;
       const int64_t head = it.kv_head * group + r / rows_per_kv_head * group + r % group;
-      finish_row<V, T, HD>(a, it, token, head, &acc_rows[r * HD], m_rows[r], l_rows[r]);
+      const float* acc_row = &acc_rows[r * HD];
+      if constexpr (kSplitPairs<V, T, HD>) {
+        unsplit_pairs<W, HD>(acc_row, natural);
+        acc_row = natural;
+      }
+      finish_row<V, T, HD>(a, it, token, head, acc_row, m_rows[r], l_rows[r]);
     }
   }
 }
