@@ -240,7 +240,8 @@ def quantized_linear_table(rows_grid, shapes, repeat, device="cpu") -> list[str]
 def interleaved_table(rows_grid, shapes, repeat) -> list[str]:
     """quantized_linear on the CPU on each interleavable type (INTERLEAVED_TYPES) in GGUF's layout
     and in kvflow's interleaved layout, weights from memory, bfloat16 input: from 32 rows the GGUF
-    layout takes the dequantized panels, the interleaved one its int8 kernel at every count."""
+    layout takes the dequantized panels, the interleaved one its int8 kernel at every count. A type
+    whose block does not divide in_features (Q4_K's 256 against 576) shows "-"."""
     names = [GGML_TYPE_NAMES[t] for t in INTERLEAVED_TYPES]
     lines = ["", "quantized_linear on cpu, GGUF layout against interleaved (speedup = GGUF time / interleaved "
              "time), weights from memory, same run", "",
@@ -251,6 +252,9 @@ def interleaved_table(rows_grid, shapes, repeat) -> list[str]:
     for in_features, out_features in shapes:
         layouts = {}
         for ggml_type, layout in INTERLEAVED_TYPES.items():
+            if in_features % BLOCK_VALUES[ggml_type]:
+                layouts[ggml_type] = None
+                continue
             first = random_gguf_blocks(ggml_type, out_features, in_features, rng)
             nbytes = first.numel()
             copies = [first] + [first.clone() for _ in range(-(-(256 << 20) // nbytes) - 1)]
@@ -260,6 +264,9 @@ def interleaved_table(rows_grid, shapes, repeat) -> list[str]:
             out = torch.empty(rows, out_features, dtype=torch.bfloat16)
             line = f"| {rows} x {in_features} -> {out_features} |"
             for pair in layouts.values():
+                if pair is None:
+                    line += " - | - | - |"
+                    continue
                 times = []
                 for weights, type_id in pair:
                     def run(weights=weights, type_id=type_id):
@@ -428,8 +435,10 @@ def main():
         rows += quantized_linear_table(args.quantized_rows, shapes if args.device == "cpu" else shapes[2:],
                                        args.repeat, args.device)
     if args.device == "cpu" and args.interleaved_rows and not args.ops:
-        # SmolLM2-135M's gate|up, down and LM head (tied to the embedding).
-        rows += interleaved_table(args.interleaved_rows, [(576, 3072), (1536, 576), (576, 49152)], args.repeat)
+        # SmolLM2-135M's gate|up, down and LM head (tied to the embedding); Qwen2.5-1.5B's gate|up
+        # and a Llama-3-8B-sized MLP product, whose rows are whole K-quant blocks.
+        rows += interleaved_table(args.interleaved_rows,
+                                  [(576, 3072), (1536, 576), (576, 49152), (1536, 8960), (4096, 14336)], args.repeat)
     write_markdown(args.markdown, header + rows)
 
 

@@ -20,7 +20,8 @@ from gguf import GGMLQuantizationType, quants
 from conftest import random_blocks
 from kvflow import ops
 from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_1_INTERLEAVED, GGML_Q4_K,
-                                  GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES, deinterleave_rows, interleave_rows)
+                                  GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES, deinterleave_rows,
+                                  interleave_rows)
 
 ALL_TYPES = list(GGML_TYPE_NAMES)
 
@@ -120,13 +121,15 @@ def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, blocks
     assert (error <= bound * 1.001).all(), f"worst error / bound {np.max(error / bound):.3f}"
 
 
-INTERLEAVED = [GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0]
+INTERLEAVED = [GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_Q4_K]
 
 
 def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
     """The layout written out by hand for one group, one Q4_1 block: the 8 rows' d, their m, then
     nibble bytes 4k..4k+3 of each row for k = 0..3; one Q8_0 block: the 8 rows' d, then code
-    bytes 4k..4k+3 of each row for k = 0..7; one Q5_1 and one Q5_0 block."""
+    bytes 4k..4k+3 of each row for k = 0..7; one Q5_1 and one Q5_0 block; one Q4_K block: the 8
+    rows' d, their dmin, each of the 12 scale bytes of the 8 rows, then nibble bytes 4k..4k+3 of
+    each row for k = 0..31."""
     weight = torch.arange(8 * 20, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(8, 20)
     expected = [weight[r, start + i] for start in (0, 2) for r in range(8) for i in (0, 1)]  # d, then m
     expected += [weight[r, 4 + 4 * k + j] for k in range(4) for r in range(8) for j in range(4)]
@@ -147,14 +150,21 @@ def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
     expected = [q5[r, start + i] for start, size in ((0, 2), (2, 4)) for r in range(8) for i in range(size)]
     expected += [q5[r, 6 + 4 * k + j] for k in range(4) for r in range(8) for j in range(4)]
     assert interleave_rows(q5, GGML_Q5_0).flatten().tolist() == [int(v) for v in expected]
+    q4k = torch.arange(8 * 144, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 144)
+    fields = [(0, 2), (2, 2)] + [(4 + t, 1) for t in range(12)]
+    expected = [q4k[r, start + i] for start, size in fields for r in range(8) for i in range(size)]
+    expected += [q4k[r, 16 + 4 * k + j] for k in range(32) for r in range(8) for j in range(4)]
+    assert interleave_rows(q4k, GGML_Q4_K).flatten().tolist() == [int(v) for v in expected]
     rng = np.random.default_rng(3)
     for ggml_type in INTERLEAVED:
-        blocks = torch.from_numpy(random_blocks(ggml_type, 24, 96, rng))
+        blocks = torch.from_numpy(random_blocks(ggml_type, 24, 3 * BLOCK_VALUES[ggml_type], rng))
         assert torch.equal(deinterleave_rows(interleave_rows(blocks, ggml_type), ggml_type), blocks)
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         interleave_rows(weight[:7], GGML_Q4_1)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0"):
-        interleave_rows(torch.zeros(8, 144, dtype=torch.uint8), GGML_Q4_K)
+    with pytest.raises(ValueError, match="whole 144-byte blocks, got 54 bytes a row"):
+        interleave_rows(torch.zeros(8, 54, dtype=torch.uint8), GGML_Q4_K)
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K"):
+        interleave_rows(torch.zeros(8, 176, dtype=torch.uint8), GGML_Q5_K)
 
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED)

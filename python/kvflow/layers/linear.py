@@ -24,7 +24,7 @@ def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | 
 
 
 def interleaved_parameter(weight: torch.Tensor, ggml_type: int | None) -> tuple[nn.Parameter, int] | None:
-    """A CPU weight in the GGUF blocks of a type that interleaves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), of whole
+    """A CPU weight in the GGUF blocks of a type that interleaves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K), of whole
     groups of rows, in kvflow's interleaved layout (kvflow.ops.quantized.interleave_rows: same
     bytes, 8 rows multiplied at once by the few-row kernel), with its type id; None for any
     other weight."""

@@ -14,20 +14,21 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
                    GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K", GGML_Q6_K: "Q6_K"}
 
 
-# kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights on the CPU (csrc's
+# kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights on the CPU (csrc's
 # gguf_blocks.h): rows in groups of INTERLEAVED_ROWS, each group's blocks stored together so that
 # the few-row kernel multiplies 8 rows at once. Same bytes as the file's rows; made at load by
 # interleave_rows.
 INTERLEAVED_ROWS = 8
 GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1, 1000 + GGML_Q8_0
 GGML_Q5_0_INTERLEAVED, GGML_Q5_1_INTERLEAVED = 1000 + GGML_Q5_0, 1000 + GGML_Q5_1
+GGML_Q4_K_INTERLEAVED = 1000 + GGML_Q4_K
 INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED,
                      GGML_Q5_0: GGML_Q5_0_INTERLEAVED, GGML_Q5_1: GGML_Q5_1_INTERLEAVED,
-                     GGML_Q8_0: GGML_Q8_0_INTERLEAVED}
+                     GGML_Q8_0: GGML_Q8_0_INTERLEAVED, GGML_Q4_K: GGML_Q4_K_INTERLEAVED}
 # The bytes of each field of a block's header (before its codes): d; m (Q4_1, Q5_1); the 32
-# fifth bits (Q5_0, Q5_1).
+# fifth bits (Q5_0, Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own.
 _INTERLEAVED_HEADER_FIELDS = {GGML_Q4_0: (2,), GGML_Q4_1: (2, 2), GGML_Q5_0: (2, 4), GGML_Q5_1: (2, 2, 4),
-                              GGML_Q8_0: (2,)}
+                              GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12}
 
 
 def type_name(ggml_type: int) -> str:
@@ -42,21 +43,24 @@ def _interleaved_header_fields(ggml_type: int) -> tuple[int, ...]:
     """The bytes of each header field of a block of an interleaving type (_INTERLEAVED_HEADER_FIELDS);
     a ValueError for any other type."""
     if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights interleave, got GGML type {ggml_type}")
+        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights interleave, got GGML type {ggml_type}")
     return _INTERLEAVED_HEADER_FIELDS[ggml_type]
 
 
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight uint8 [rows, row bytes] (rows a multiple of
+    """A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K weight uint8 [rows, row bytes] (rows a multiple of
     INTERLEAVED_ROWS) in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each
-    group of 8 rows and each block, each header field of the 8 rows in turn (d; m; fifth bits),
-    then pieces of 32 bytes (4 of nibbles, 8 of Q8_0's codes), piece k holding code bytes
-    4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
+    group of 8 rows and each block, each header field of the 8 rows in turn (d; m; fifth bits;
+    Q4_K's dmin and scale bytes), then pieces of 32 bytes (4 of nibbles, 8 of Q8_0's codes, 32 of
+    Q4_K's nibbles), piece k holding code bytes 4k..4k+3 of each row in turn. Same shape and
+    bytes, rearranged."""
     fields = _interleaved_header_fields(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:
         raise ValueError(f"interleaving takes a multiple of {INTERLEAVED_ROWS} rows, got {rows}")
     block_bytes, header = BLOCK_BYTES[ggml_type], sum(fields)
+    if row_bytes % block_bytes:
+        raise ValueError(f"interleaving takes rows of whole {block_bytes}-byte blocks, got {row_bytes} bytes a row")
     blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
     starts = [sum(fields[:i]) for i in range(len(fields))]
     headers = [blocks[..., start:start + size].transpose(1, 2).flatten(2)  # [groups, blocks, 8 * size]

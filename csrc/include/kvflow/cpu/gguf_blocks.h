@@ -244,23 +244,24 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, made once at load for
-// the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
+// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights, made once at load
+// for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
 // kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
 // header in turn for the 8 rows (d; Q4_1 and Q5_1 then m; the 5-bit formats then their 32 fifth
-// bits, 4 bytes a row), then 32-byte pieces (four of nibbles, eight of Q8_0's codes), piece k
+// bits, 4 bytes a row; Q4_K then dmin and its 12 scale bytes, each a field of its own), then
+// 32-byte pieces (four of nibbles, eight of Q8_0's codes, thirty-two of Q4_K's nibbles), piece k
 // holding code bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
 // so the same memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with
 // one instruction, and convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
-constexpr int kNumInterleavedFormats = 5;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+constexpr int kNumInterleavedFormats = 6;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
 
 // Whether weights of this GGML type are interleaved on the CPU.
 KVFLOW_HOST_DEVICE constexpr bool interleaves(int64_t ggml_type) {
   return ggml_type == int64_t(GgufType::kQ4_0) || ggml_type == int64_t(GgufType::kQ4_1) ||
          ggml_type == int64_t(GgufType::kQ5_0) || ggml_type == int64_t(GgufType::kQ5_1) ||
-         ggml_type == int64_t(GgufType::kQ8_0);
+         ggml_type == int64_t(GgufType::kQ8_0) || ggml_type == int64_t(GgufType::kQ4_K);
 }
 
 // The GGML type an interleaved type id lays out, or -1 for any other id.
@@ -270,12 +271,19 @@ KVFLOW_HOST_DEVICE constexpr int64_t interleaved_base_type(int64_t type) {
 
 // The index of an interleaved format among KernelTable::quantized_linear_interleaved's entries.
 constexpr int interleaved_index(QuantFormat f) {
-  return f == QuantFormat::kQ4_0 ? 0 : f == QuantFormat::kQ4_1 ? 1 : f == QuantFormat::kQ5_0 ? 2 : f == QuantFormat::kQ5_1 ? 3 : 4;
+  return f == QuantFormat::kQ4_0   ? 0
+         : f == QuantFormat::kQ4_1 ? 1
+         : f == QuantFormat::kQ5_0 ? 2
+         : f == QuantFormat::kQ5_1 ? 3
+         : f == QuantFormat::kQ8_0 ? 4
+                                   : 5;
 }
 
 // The bytes of one row's header field i of an interleaved format's block (0 past its last):
-// d, then m (Q4_1, Q5_1), then the fifth bits (Q5_0, Q5_1).
+// d, then m (Q4_1, Q5_1), then the fifth bits (Q5_0, Q5_1); Q4_K: d, dmin, then its 12 scale
+// bytes one by one, so that byte t of the 8 rows' scales lies in 8 bytes together.
 constexpr int64_t interleaved_field_bytes(QuantFormat f, int i) {
+  if (f == QuantFormat::kQ4_K) return i < 2 ? 2 : i < 14 ? 1 : 0;
   const bool offset = f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1;
   const bool fifth = f == QuantFormat::kQ5_0 || f == QuantFormat::kQ5_1;
   const int64_t fields[3] = {2, offset ? 2 : (fifth ? 4 : 0), offset && fifth ? 4 : 0};
@@ -284,7 +292,9 @@ constexpr int64_t interleaved_field_bytes(QuantFormat f, int i) {
 
 // The bytes of an interleaved block's header for one row (all its fields).
 constexpr int64_t interleaved_header_bytes(QuantFormat f) {
-  return interleaved_field_bytes(f, 0) + interleaved_field_bytes(f, 1) + interleaved_field_bytes(f, 2);
+  int64_t bytes = 0;
+  for (int i = 0; interleaved_field_bytes(f, i) > 0; ++i) bytes += interleaved_field_bytes(f, i);
+  return bytes;
 }
 
 // Rows [first, first + count) of a weight in the interleaved layout, written out in GGUF's

@@ -273,6 +273,79 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
 }
 
+// One group of 8 Q4_K weight rows in the interleaved layout (gguf_blocks.h) times input rows
+// r0 .. r0 + kRows, as interleaved_group_avx2 does for the 32-weight formats. Per 256-weight block:
+// the 8 rows' d and dmin, then scale byte t of the 8 rows at 32 + 8t, then 32 pieces, of which
+// 8g .. 8g + 7 hold chunk 2g's codes in their low nibbles and chunk 2g + 1's in their high ones.
+// The 8 chunks' scales and mins of the 8 rows (k_scale_min, one row a 32-bit lane) are decoded
+// once per block for every input row; a chunk's pair sums add in 16 bits over its 8 pieces
+// (at most 8 x 2 x 15 x 127 = 30480) and widen once.
+template <int kRows>
+void interleaved_q4_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ4_K);
+  constexpr int64_t kScaleBytes = 32, kPieces = kInterleavedRows * interleaved_header_bytes(QuantFormat::kQ4_K);
+  constexpr int64_t kAheadBytes = 2048;
+  const __m256i low4 = _mm256_set1_epi8(0xF), low6 = _mm256_set1_epi32(63), ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks / 8; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+    __m256i bytes[12];  // scale byte t of the 8 rows
+    for (int t = 0; t < 12; ++t) {
+      bytes[t] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kScaleBytes + 8 * t)));
+    }
+    alignas(32) float scale[8][kInterleavedRows], min[8][kInterleavedRows];
+    for (int j = 0; j < 8; ++j) {
+      __m256i sc, m;
+      if (j < 4) {
+        sc = _mm256_and_si256(bytes[j], low6);
+        m = _mm256_and_si256(bytes[j + 4], low6);
+      } else {
+        sc = _mm256_or_si256(_mm256_and_si256(bytes[j + 4], _mm256_set1_epi32(0xF)),
+                             _mm256_slli_epi32(_mm256_srli_epi32(bytes[j - 4], 6), 4));
+        m = _mm256_or_si256(_mm256_srli_epi32(bytes[j + 4], 4), _mm256_slli_epi32(_mm256_srli_epi32(bytes[j], 6), 4));
+      }
+      _mm256_store_ps(scale[j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+      _mm256_store_ps(min[j], _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t chunk = 8 * b + j;
+      const uint8_t* pieces = block + kPieces + 32 * 8 * (j / 2);
+      __m256i sums[kRows];
+      for (int k = 0; k < 8; ++k) {
+        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
+        const __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
+        for (int r = 0; r < kRows; ++r) {
+          const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
+          const __m256i products = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(int32_t(block_word(xq + 4 * k))));
+          sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+        }
+      }
+      // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
+      for (int r = 0; r < kRows; ++r) {
+        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_load_ps(scale[j]), _mm256_set1_ps(scale_sum[0])), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_load_ps(min[j]), _mm256_set1_ps(scale_sum[1]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+}
+
+// The group kernel of format F.
+template <QuantFormat F, int kRows>
+void interleaved_group_of_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  if constexpr (F == QuantFormat::kQ4_K) {
+    interleaved_q4_k_group_avx2<kRows>(group, x, r0, out);
+  } else {
+    interleaved_group_avx2<F, kRows>(group, x, r0, out);
+  }
+}
+
 // QuantizedLinearFn on the interleaved layout; begin and end are multiples of kInterleavedRows.
 template <QuantFormat F>
 void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
@@ -286,10 +359,10 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
       __m256 sums[kRowTile];
       const int n = int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_group_avx2<F, 1>(group, x, r0, sums); break;
-        case 2: interleaved_group_avx2<F, 2>(group, x, r0, sums); break;
-        case 3: interleaved_group_avx2<F, 3>(group, x, r0, sums); break;
-        default: interleaved_group_avx2<F, 4>(group, x, r0, sums); break;
+        case 1: interleaved_group_of_avx2<F, 1>(group, x, r0, sums); break;
+        case 2: interleaved_group_of_avx2<F, 2>(group, x, r0, sums); break;
+        case 3: interleaved_group_of_avx2<F, 3>(group, x, r0, sums); break;
+        default: interleaved_group_of_avx2<F, 4>(group, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
@@ -458,6 +531,7 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ8_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ8_0>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_0>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_1>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_K>;
 }
 
 }  // namespace
