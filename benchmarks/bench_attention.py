@@ -1,7 +1,8 @@
 """paged_attention against what a user would otherwise run, measured in the same run:
 
 - decode: gather each request's K/V through its block table into contiguous tensors, then
-  torch.nn.functional.scaled_dot_product_attention (GQA);
+  torch.nn.functional.scaled_dot_product_attention (GQA); with --new-tokens N, each request's
+  last N tokens are its queries (a speculative verification of N - 1 drafts), causally masked;
 - prefill: scaled_dot_product_attention on already-contiguous tensors (causal, GQA).
 
 Also reports the KV bytes paged_attention reads per second, against the machine's best read
@@ -55,13 +56,16 @@ def run_paged(query, key_cache, value_cache, md, out):
                                scale, md.max_query_len, md.max_seq_len, out=out)
 
 
-def gather_then_sdpa(query, key_cache, value_cache, md, batch, context):
-    """The unfused peer for decode: materialise each request's K/V, then SDPA."""
+def gather_then_sdpa(query, key_cache, value_cache, md, batch, context, new_tokens):
+    """The unfused peer for decode: materialise each request's K/V, then SDPA, query i of the
+    last new_tokens seeing the keys up to its own position."""
     num_kv, head_dim = key_cache.shape[2:]
     k = key_cache[md.block_tables.long()].reshape(batch, -1, num_kv, head_dim)[:, :context].transpose(1, 2)
     v = value_cache[md.block_tables.long()].reshape(batch, -1, num_kv, head_dim)[:, :context].transpose(1, 2)
-    q = query.view(batch, 1, -1, head_dim).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    q = query.view(batch, new_tokens, -1, head_dim).transpose(1, 2)
+    positions = torch.arange(context - new_tokens, context, device=query.device)
+    visible = torch.arange(context, device=query.device)[None, :] <= positions[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
 
 
 def main():
@@ -74,6 +78,8 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[1],
+                        help="query tokens per request in the decode grid (5: four drafts verified)")
     parser.add_argument("--prefill", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--markdown", default=None, help="also write the tables to this file")
@@ -89,23 +95,24 @@ def main():
         f"block_size {args.block_size}",
         f"machine {kind} bandwidth: {bandwidth:.1f} GB/s",
         "",
-        "| decode batch x context | kvflow (ms) | gather + SDPA (ms) | speedup | KV read GB/s | of machine |",
+        "| decode batch x new tokens x context | kvflow (ms) | gather + SDPA (ms) | speedup | KV read GB/s | of machine |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
     for batch in args.batch:
-        for context in args.context:
-            query, key_cache, value_cache, md = paged_batch(batch, context, 1, args, dtype, device)
-            out = torch.empty_like(query)
-            t_ours = timed(lambda: run_paged(query, key_cache, value_cache, md, out), device, 3, args.repeat)
-            t_peer = timed(lambda: gather_then_sdpa(query, key_cache, value_cache, md, batch, context), device, 1,
-                           max(3, args.repeat // 3))
-            kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * key_cache.element_size()
-            gbs = kv_bytes / t_ours / 1e9
-            row = (f"| {batch} x {context} | {t_ours * 1e3:.2f} | {t_peer * 1e3:.2f} | {t_peer / t_ours:.2f}x | "
-                   f"{gbs:.1f} | {gbs / bandwidth:.0%} |")
-            lines.append(row)
-            print(row, flush=True)
+        for new in args.new_tokens:
+            for context in args.context:
+                query, key_cache, value_cache, md = paged_batch(batch, context, new, args, dtype, device)
+                out = torch.empty_like(query)
+                t_ours = timed(lambda: run_paged(query, key_cache, value_cache, md, out), device, 3, args.repeat)
+                t_peer = timed(lambda: gather_then_sdpa(query, key_cache, value_cache, md, batch, context, new),
+                               device, 1, max(3, args.repeat // 3))
+                kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * key_cache.element_size()
+                gbs = kv_bytes / t_ours / 1e9
+                row = (f"| {batch} x {new} x {context} | {t_ours * 1e3:.3f} | {t_peer * 1e3:.3f} | "
+                       f"{t_peer / t_ours:.2f}x | {gbs:.1f} | {gbs / bandwidth:.0%} |")
+                lines.append(row)
+                print(row, flush=True)
 
     lines += ["", "| prefill tokens | kvflow (ms) | SDPA contiguous (ms) | speedup |", "|---|---:|---:|---:|"]
     print("\n".join(lines[-3:]), flush=True)
