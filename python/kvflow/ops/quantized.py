@@ -21,14 +21,17 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
 INTERLEAVED_ROWS = 8
 GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1, 1000 + GGML_Q8_0
 GGML_Q5_0_INTERLEAVED, GGML_Q5_1_INTERLEAVED = 1000 + GGML_Q5_0, 1000 + GGML_Q5_1
-GGML_Q4_K_INTERLEAVED = 1000 + GGML_Q4_K
+GGML_Q4_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED = 1000 + GGML_Q4_K, 1000 + GGML_Q6_K
 INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED,
                      GGML_Q5_0: GGML_Q5_0_INTERLEAVED, GGML_Q5_1: GGML_Q5_1_INTERLEAVED,
-                     GGML_Q8_0: GGML_Q8_0_INTERLEAVED, GGML_Q4_K: GGML_Q4_K_INTERLEAVED}
-# The bytes of each field of a block's header (before its codes): d; m (Q4_1, Q5_1); the 32
-# fifth bits (Q5_0, Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own.
+                     GGML_Q8_0: GGML_Q8_0_INTERLEAVED, GGML_Q4_K: GGML_Q4_K_INTERLEAVED,
+                     GGML_Q6_K: GGML_Q6_K_INTERLEAVED}
+# The bytes of each field of a block's header: d; m (Q4_1, Q5_1); the 32 fifth bits (Q5_0,
+# Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own; Q6_K: each of its
+# 16 scales, then d. The header starts the block, but Q6_K's ends it (after 192 bytes of codes).
 _INTERLEAVED_HEADER_FIELDS = {GGML_Q4_0: (2,), GGML_Q4_1: (2, 2), GGML_Q5_0: (2, 4), GGML_Q5_1: (2, 2, 4),
-                              GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12}
+                              GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12, GGML_Q6_K: (1,) * 16 + (2,)}
+_INTERLEAVED_HEADER_START = {GGML_Q6_K: 192}
 
 
 def type_name(ggml_type: int) -> str:
@@ -43,17 +46,18 @@ def _interleaved_header_fields(ggml_type: int) -> tuple[int, ...]:
     """The bytes of each header field of a block of an interleaving type (_INTERLEAVED_HEADER_FIELDS);
     a ValueError for any other type."""
     if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights interleave, got GGML type {ggml_type}")
+        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights interleave, got GGML type "
+                         f"{ggml_type}")
     return _INTERLEAVED_HEADER_FIELDS[ggml_type]
 
 
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K weight uint8 [rows, row bytes] (rows a multiple of
-    INTERLEAVED_ROWS) in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each
+    """A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K weight uint8 [rows, row bytes] (rows a multiple
+    of INTERLEAVED_ROWS) in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each
     group of 8 rows and each block, each header field of the 8 rows in turn (d; m; fifth bits;
-    Q4_K's dmin and scale bytes), then pieces of 32 bytes (4 of nibbles, 8 of Q8_0's codes, 32 of
-    Q4_K's nibbles), piece k holding code bytes 4k..4k+3 of each row in turn. Same shape and
-    bytes, rearranged."""
+    Q4_K's dmin and scale bytes; Q6_K's scales, then d), then pieces of 32 bytes (4 of nibbles, 8
+    of Q8_0's codes, 32 of Q4_K's nibbles, 48 of Q6_K's low and high bits), piece k holding code
+    bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
     fields = _interleaved_header_fields(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:
@@ -62,11 +66,13 @@ def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     if row_bytes % block_bytes:
         raise ValueError(f"interleaving takes rows of whole {block_bytes}-byte blocks, got {row_bytes} bytes a row")
     blocks = weight.reshape(rows // INTERLEAVED_ROWS, INTERLEAVED_ROWS, row_bytes // block_bytes, block_bytes)
-    starts = [sum(fields[:i]) for i in range(len(fields))]
+    first = _INTERLEAVED_HEADER_START.get(ggml_type, 0)
+    starts = [first + sum(fields[:i]) for i in range(len(fields))]
     headers = [blocks[..., start:start + size].transpose(1, 2).flatten(2)  # [groups, blocks, 8 * size]
                for start, size in zip(starts, fields)]
     pieces = (block_bytes - header) // 4
-    codes = blocks[..., header:].unflatten(-1, (pieces, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 32 pieces]
+    code_bytes = torch.cat([blocks[..., :first], blocks[..., first + header:]], dim=-1)
+    codes = code_bytes.unflatten(-1, (pieces, 4)).permute(0, 2, 3, 1, 4).flatten(2)  # [groups, blocks, 32 pieces]
     return torch.cat(headers + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
@@ -82,7 +88,8 @@ def deinterleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
                for start, size in zip(starts, fields)]  # [groups, 8, blocks, size]
     pieces = (block_bytes - header) // 4
     codes = groups[..., INTERLEAVED_ROWS * header:].unflatten(-1, (pieces, INTERLEAVED_ROWS, 4)).permute(0, 3, 1, 2, 4).flatten(3)
-    return torch.cat(headers + [codes], dim=-1).reshape(rows, row_bytes).contiguous()
+    first = _INTERLEAVED_HEADER_START.get(ggml_type, 0)
+    return torch.cat([codes[..., :first]] + headers + [codes[..., first:]], dim=-1).reshape(rows, row_bytes).contiguous()
 
 
 def quantized_row_bytes(in_features: int, ggml_type: int) -> int:

@@ -244,24 +244,26 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights, made once at load
-// for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups of
-// kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
+// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights, made once at
+// load for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups
+// of kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
 // header in turn for the 8 rows (d; Q4_1 and Q5_1 then m; the 5-bit formats then their 32 fifth
-// bits, 4 bytes a row; Q4_K then dmin and its 12 scale bytes, each a field of its own), then
-// 32-byte pieces (four of nibbles, eight of Q8_0's codes, thirty-two of Q4_K's nibbles), piece k
-// holding code bytes 4k..4k+3 of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
+// bits, 4 bytes a row; Q4_K then dmin and its 12 scale bytes, each a field of its own; Q6_K its 16
+// scales, each a field, then d), then 32-byte pieces (four of nibbles, eight of Q8_0's codes,
+// thirty-two of Q4_K's nibbles, forty-eight of Q6_K's low then high bits), piece k holding code
+// bytes 4k..4k+3 (the block's bytes outside its header, in order) of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
 // so the same memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with
 // one instruction, and convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
-constexpr int kNumInterleavedFormats = 6;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
+constexpr int kNumInterleavedFormats = 7;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K
 
 // Whether weights of this GGML type are interleaved on the CPU.
 KVFLOW_HOST_DEVICE constexpr bool interleaves(int64_t ggml_type) {
   return ggml_type == int64_t(GgufType::kQ4_0) || ggml_type == int64_t(GgufType::kQ4_1) ||
          ggml_type == int64_t(GgufType::kQ5_0) || ggml_type == int64_t(GgufType::kQ5_1) ||
-         ggml_type == int64_t(GgufType::kQ8_0) || ggml_type == int64_t(GgufType::kQ4_K);
+         ggml_type == int64_t(GgufType::kQ8_0) || ggml_type == int64_t(GgufType::kQ4_K) ||
+         ggml_type == int64_t(GgufType::kQ6_K);
 }
 
 // The GGML type an interleaved type id lays out, or -1 for any other id.
@@ -276,14 +278,17 @@ constexpr int interleaved_index(QuantFormat f) {
          : f == QuantFormat::kQ5_0 ? 2
          : f == QuantFormat::kQ5_1 ? 3
          : f == QuantFormat::kQ8_0 ? 4
-                                   : 5;
+         : f == QuantFormat::kQ4_K ? 5
+                                   : 6;
 }
 
 // The bytes of one row's header field i of an interleaved format's block (0 past its last):
 // d, then m (Q4_1, Q5_1), then the fifth bits (Q5_0, Q5_1); Q4_K: d, dmin, then its 12 scale
-// bytes one by one, so that byte t of the 8 rows' scales lies in 8 bytes together.
+// bytes one by one, so that byte t of the 8 rows' scales lies in 8 bytes together; Q6_K: its 16
+// scales one by one, then d.
 constexpr int64_t interleaved_field_bytes(QuantFormat f, int i) {
   if (f == QuantFormat::kQ4_K) return i < 2 ? 2 : i < 14 ? 1 : 0;
+  if (f == QuantFormat::kQ6_K) return i < 16 ? 1 : i == 16 ? 2 : 0;
   const bool offset = f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1;
   const bool fifth = f == QuantFormat::kQ5_0 || f == QuantFormat::kQ5_1;
   const int64_t fields[3] = {2, offset ? 2 : (fifth ? 4 : 0), offset && fifth ? 4 : 0};
@@ -297,11 +302,15 @@ constexpr int64_t interleaved_header_bytes(QuantFormat f) {
   return bytes;
 }
 
+// Where a GGUF block's header starts: at its first byte, but after Q6_K's 192 bytes of codes.
+constexpr int64_t gguf_header_start(QuantFormat f) { return f == QuantFormat::kQ6_K ? 192 : 0; }
+
 // Rows [first, first + count) of a weight in the interleaved layout, written out in GGUF's
 // (count * row_bytes bytes): what the kernels without an interleaved version read.
 inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, QuantFormat f, int64_t first,
                                     int64_t count, uint8_t* out) {
   const int64_t bytes = quant_block_bytes(f), blocks = row_bytes / bytes, header = interleaved_header_bytes(f);
+  const int64_t header_start = gguf_header_start(f);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = first + i, r = row % kInterleavedRows;
     const uint8_t* group = weight + row / kInterleavedRows * kInterleavedRows * row_bytes;
@@ -311,11 +320,12 @@ inline void gather_interleaved_rows(const uint8_t* weight, int64_t row_bytes, Qu
       int64_t offset = 0;  // of the field in a row's block; its 8 rows' copies start 8 times as far in
       for (int field = 0; interleaved_field_bytes(f, field) > 0; ++field) {
         const int64_t size = interleaved_field_bytes(f, field);
-        std::memcpy(block + offset, src + kInterleavedRows * offset + size * r, size);
+        std::memcpy(block + header_start + offset, src + kInterleavedRows * offset + size * r, size);
         offset += size;
       }
       for (int64_t k = 0; k < (bytes - header) / 4; ++k) {
-        std::memcpy(block + header + 4 * k, src + header * kInterleavedRows + 32 * k + 4 * r, 4);
+        const int64_t code_byte = 4 * k < header_start ? 4 * k : 4 * k + header;  // where the piece's bytes lie
+        std::memcpy(block + code_byte, src + header * kInterleavedRows + 32 * k + 4 * r, 4);
       }
     }
   }

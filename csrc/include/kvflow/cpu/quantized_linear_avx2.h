@@ -336,11 +336,69 @@ void interleaved_q4_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
 }
 
+// One group of 8 Q6_K weight rows in the interleaved layout (gguf_blocks.h) times input rows
+// r0 .. r0 + kRows. Per 256-weight block: scale t of the 8 rows at 8t (int8), their d at 128,
+// then 48 pieces: 32 of the low four bits (GGUF's ql), 16 of the high two (qh). Chunk c = 4h + k
+// (h the block's half) takes piece 16h + 8(k % 2) + p's nibble k / 2 and piece 32 + 8h + p's bits
+// 2k..2k+1 for its codes 4p..4p+3, centred by 32; its first and last 16 weights have scales 2c
+// and 2c + 1. vpmaddubsw takes |w| against x carrying w's sign, and a half chunk's 4 pieces add
+// in 16 bits (at most 4 x 2 x 32 x 127 = 32512) before they widen.
+template <int kRows>
+void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
+  constexpr int64_t kD = 16 * kInterleavedRows, kPieces = kInterleavedRows * interleaved_header_bytes(QuantFormat::kQ6_K);
+  constexpr int64_t kAheadBytes = 2048;
+  const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks / 8; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64) __builtin_prefetch(block + kAheadBytes + line, 0, 2);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kD)));
+    alignas(32) float scale[16][kInterleavedRows];
+    for (int t = 0; t < 16; ++t) {
+      const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * t)));
+      _mm256_store_ps(scale[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+    }
+    const uint8_t* pieces = block + kPieces;
+    for (int c = 0; c < 8; ++c) {
+      const int h = c / 4, k = c % 4;
+      const int64_t chunk = 8 * b + c;
+      for (int half = 0; half < 2; ++half) {
+        __m256i sums[kRows];
+        for (int p = 4 * half; p < 4 * half + 4; ++p) {
+          const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (16 * h + 8 * (k % 2) + p)));
+          const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (32 + 8 * h + p)));
+          const __m256i codes = _mm256_or_si256(_mm256_and_si256(shift_right(low, 4 * (k / 2)), low4),
+                                                _mm256_slli_epi16(_mm256_and_si256(shift_right(high, 2 * k), low2), 4));
+          const __m256i w = _mm256_sub_epi8(codes, _mm256_set1_epi8(32));
+          const __m256i magnitude = _mm256_sign_epi8(w, w);
+          for (int r = 0; r < kRows; ++r) {
+            const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
+            const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(int32_t(block_word(xq + 4 * p))), w);
+            const __m256i products = _mm256_maddubs_epi16(magnitude, signed_x);
+            sums[r] = p == 4 * half ? products : _mm256_add_epi16(sums[r], products);
+          }
+        }
+        const __m256 row_scale = _mm256_load_ps(scale[2 * c + half]);
+        for (int r = 0; r < kRows; ++r) {
+          const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+          acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+}
+
 // The group kernel of format F.
 template <QuantFormat F, int kRows>
 void interleaved_group_of_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   if constexpr (F == QuantFormat::kQ4_K) {
     interleaved_q4_k_group_avx2<kRows>(group, x, r0, out);
+  } else if constexpr (F == QuantFormat::kQ6_K) {
+    interleaved_q6_k_group_avx2<kRows>(group, x, r0, out);
   } else {
     interleaved_group_avx2<F, kRows>(group, x, r0, out);
   }
@@ -532,6 +590,7 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_0>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_1>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_K>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ6_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ6_K>;
 }
 
 }  // namespace
