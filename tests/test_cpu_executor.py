@@ -33,7 +33,7 @@ from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.olmo2 import Olmo2ForCausalLM
 from kvflow.models.qwen3 import Qwen3ForCausalLM
 from kvflow.ops.quantized import (BLOCK_VALUES, GGML_Q4_0, GGML_Q4_0_INTERLEAVED, GGML_Q4_1, GGML_Q4_1_INTERLEAVED,
-                                  GGML_Q4_K, GGML_Q4_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED, GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_Q8_0_INTERLEAVED,
+                                  GGML_Q4_K, GGML_Q4_K_INTERLEAVED, GGML_Q5_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED, GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_Q8_0_INTERLEAVED,
                                   INTERLEAVED_TYPES, deinterleave_rows, interleave_rows)
 
 BLOCK = 16
@@ -350,7 +350,7 @@ def test_op_by_op_and_replay_match_plain_pytorch(variant, context_lens, dtype, t
 
 
 QUANTIZED_LAYER_TYPES = [GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED, GGML_Q8_0, GGML_Q5_0, GGML_Q5_1, GGML_Q4_K,
-                         GGML_Q5_K, GGML_Q6_K, GGML_Q4_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED]
+                         GGML_Q5_K, GGML_Q6_K, GGML_Q4_K_INTERLEAVED, GGML_Q5_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED]
 
 
 def quantized_model(dtype, ggml_type):
@@ -547,12 +547,12 @@ def test_a_layer_written_in_python_only_runs_through_the_executor(threads, cpu_i
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q5_0, GGML_Q5_1, GGML_Q4_K, GGML_Q5_K,
                                        GGML_Q6_K, GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED,
-                                       GGML_Q4_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED])
+                                       GGML_Q4_K_INTERLEAVED, GGML_Q5_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_quantized_products_replay_equal_op_by_op(ggml_type, rows, threads, cpu_isa):
     """Two GGUF-block products in a row (the second reads the first's output, with a bias) as a
     program: bit for bit what the ops give one by one, at every thread count; 40 rows take the
-    dequantized panels. The interleaved Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K layouts too (their threads split whole
+    dequantized panels. The interleaved Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layouts too (their threads split whole
     groups of 8 rows)."""
     rng = np.random.default_rng(ggml_type + rows)
     base = {layout: base for base, layout in INTERLEAVED_TYPES.items()}.get(ggml_type, ggml_type)

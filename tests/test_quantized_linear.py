@@ -121,7 +121,7 @@ def test_many_bfloat16_rows_multiply_dequantized_weights(ggml_type, rows, blocks
     assert (error <= bound * 1.001).all(), f"worst error / bound {np.max(error / bound):.3f}"
 
 
-INTERLEAVED = [GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K]
+INTERLEAVED = [GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q5_1, GGML_Q8_0, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K]
 
 
 def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
@@ -129,7 +129,8 @@ def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
     nibble bytes 4k..4k+3 of each row for k = 0..3; one Q8_0 block: the 8 rows' d, then code
     bytes 4k..4k+3 of each row for k = 0..7; one Q5_1 and one Q5_0 block; one Q4_K block: the 8
     rows' d, their dmin, each of the 12 scale bytes of the 8 rows, then nibble bytes 4k..4k+3 of
-    each row for k = 0..31; one Q6_K block, whose header ends it: each of the 16 scales of the 8
+    each row for k = 0..31; one Q5_K block: as Q4_K's, with its 32 bytes of fifth bits after the
+    scales, 4 bytes of each row in turn; one Q6_K block, whose header ends it: each of the 16 scales of the 8
     rows, their d, then bytes 4k..4k+3 of each row's 192 code bytes for k = 0..47."""
     weight = torch.arange(8 * 20, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(8, 20)
     expected = [weight[r, start + i] for start in (0, 2) for r in range(8) for i in (0, 1)]  # d, then m
@@ -156,6 +157,11 @@ def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
     expected = [q4k[r, start + i] for start, size in fields for r in range(8) for i in range(size)]
     expected += [q4k[r, 16 + 4 * k + j] for k in range(32) for r in range(8) for j in range(4)]
     assert interleave_rows(q4k, GGML_Q4_K).flatten().tolist() == [int(v) for v in expected]
+    q5k = torch.arange(8 * 176, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 176)
+    fields = [(0, 2), (2, 2)] + [(4 + t, 1) for t in range(12)] + [(16 + 4 * t, 4) for t in range(8)]
+    expected = [q5k[r, start + i] for start, size in fields for r in range(8) for i in range(size)]
+    expected += [q5k[r, 48 + 4 * k + j] for k in range(32) for r in range(8) for j in range(4)]
+    assert interleave_rows(q5k, GGML_Q5_K).flatten().tolist() == [int(v) for v in expected]
     q6k = torch.arange(8 * 210, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 210)
     fields = [(192 + t, 1) for t in range(16)] + [(208, 2)]
     expected = [q6k[r, start + i] for start, size in fields for r in range(8) for i in range(size)]
@@ -169,8 +175,8 @@ def test_interleave_rows_rearranges_each_group_of_8_rows_block_by_block():
         interleave_rows(weight[:7], GGML_Q4_1)
     with pytest.raises(ValueError, match="whole 144-byte blocks, got 54 bytes a row"):
         interleave_rows(torch.zeros(8, 54, dtype=torch.uint8), GGML_Q4_K)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K"):
-        interleave_rows(torch.zeros(8, 176, dtype=torch.uint8), GGML_Q5_K)
+    with pytest.raises(ValueError, match="only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K"):
+        interleave_rows(torch.zeros(8, 64, dtype=torch.uint8), 1)  # F16
 
 
 @pytest.mark.parametrize("ggml_type", INTERLEAVED)

@@ -21,16 +21,17 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
 INTERLEAVED_ROWS = 8
 GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED = 1000 + GGML_Q4_0, 1000 + GGML_Q4_1, 1000 + GGML_Q8_0
 GGML_Q5_0_INTERLEAVED, GGML_Q5_1_INTERLEAVED = 1000 + GGML_Q5_0, 1000 + GGML_Q5_1
-GGML_Q4_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED = 1000 + GGML_Q4_K, 1000 + GGML_Q6_K
+GGML_Q4_K_INTERLEAVED, GGML_Q5_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED = 1000 + GGML_Q4_K, 1000 + GGML_Q5_K, 1000 + GGML_Q6_K
 INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTERLEAVED,
                      GGML_Q5_0: GGML_Q5_0_INTERLEAVED, GGML_Q5_1: GGML_Q5_1_INTERLEAVED,
                      GGML_Q8_0: GGML_Q8_0_INTERLEAVED, GGML_Q4_K: GGML_Q4_K_INTERLEAVED,
-                     GGML_Q6_K: GGML_Q6_K_INTERLEAVED}
+                     GGML_Q5_K: GGML_Q5_K_INTERLEAVED, GGML_Q6_K: GGML_Q6_K_INTERLEAVED}
 # The bytes of each field of a block's header: d; m (Q4_1, Q5_1); the 32 fifth bits (Q5_0,
-# Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own; Q6_K: each of its
-# 16 scales, then d. The header starts the block, but Q6_K's ends it (after 192 bytes of codes).
+# Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own; Q5_K: the same,
+# then its 32 bytes of fifth bits as 8 fields of 4; Q6_K: each of its 16 scales, then d. The header starts the block, but Q6_K's ends it (after 192 bytes of codes).
 _INTERLEAVED_HEADER_FIELDS = {GGML_Q4_0: (2,), GGML_Q4_1: (2, 2), GGML_Q5_0: (2, 4), GGML_Q5_1: (2, 2, 4),
-                              GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12, GGML_Q6_K: (1,) * 16 + (2,)}
+                              GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12, GGML_Q5_K: (2, 2) + (1,) * 12 + (4,) * 8,
+                              GGML_Q6_K: (1,) * 16 + (2,)}
 _INTERLEAVED_HEADER_START = {GGML_Q6_K: 192}
 
 
@@ -46,18 +47,18 @@ def _interleaved_header_fields(ggml_type: int) -> tuple[int, ...]:
     """The bytes of each header field of a block of an interleaving type (_INTERLEAVED_HEADER_FIELDS);
     a ValueError for any other type."""
     if ggml_type not in INTERLEAVED_TYPES:
-        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights interleave, got GGML type "
-                         f"{ggml_type}")
+        raise ValueError(f"only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights interleave, got GGML "
+                         f"type {ggml_type}")
     return _INTERLEAVED_HEADER_FIELDS[ggml_type]
 
 
 def interleave_rows(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K weight uint8 [rows, row bytes] (rows a multiple
-    of INTERLEAVED_ROWS) in the interleaved layout of type INTERLEAVED_TYPES[ggml_type]: for each
-    group of 8 rows and each block, each header field of the 8 rows in turn (d; m; fifth bits;
-    Q4_K's dmin and scale bytes; Q6_K's scales, then d), then pieces of 32 bytes (4 of nibbles, 8
-    of Q8_0's codes, 32 of Q4_K's nibbles, 48 of Q6_K's low and high bits), piece k holding code
-    bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
+    """A weight of an interleaving type (INTERLEAVED_TYPES: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    Q6_K), uint8 [rows, row bytes] (rows a multiple of INTERLEAVED_ROWS), in the interleaved layout
+    of type INTERLEAVED_TYPES[ggml_type]: for each group of 8 rows and each block, each header
+    field of the 8 rows in turn (_INTERLEAVED_HEADER_FIELDS), then pieces of 32 bytes (4 of
+    nibbles, 8 of Q8_0's codes, 32 of Q4_K's and Q5_K's nibbles, 48 of Q6_K's low and high bits),
+    piece k holding code bytes 4k..4k+3 of each row in turn. Same shape and bytes, rearranged."""
     fields = _interleaved_header_fields(ggml_type)
     rows, row_bytes = weight.shape
     if rows % INTERLEAVED_ROWS:

@@ -244,26 +244,27 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights, made once at
+// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights, made once at
 // load for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups
 // of kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
 // header in turn for the 8 rows (d; Q4_1 and Q5_1 then m; the 5-bit formats then their 32 fifth
-// bits, 4 bytes a row; Q4_K then dmin and its 12 scale bytes, each a field of its own; Q6_K its 16
-// scales, each a field, then d), then 32-byte pieces (four of nibbles, eight of Q8_0's codes,
-// thirty-two of Q4_K's nibbles, forty-eight of Q6_K's low then high bits), piece k holding code
+// bits, 4 bytes a row; Q4_K and Q5_K then dmin and their 12 scale bytes, each a field of its own,
+// Q5_K then its 32 bytes of fifth bits as 8 fields of 4; Q6_K its 16 scales, each a field, then
+// d), then 32-byte pieces (four of nibbles, eight of Q8_0's codes, thirty-two of Q4_K's and Q5_K's
+// nibbles, forty-eight of Q6_K's low then high bits), piece k holding code
 // bytes 4k..4k+3 (the block's bytes outside its header, in order) of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
 // so the same memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with
 // one instruction, and convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
-constexpr int kNumInterleavedFormats = 7;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K
+constexpr int kNumInterleavedFormats = 8;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q5_K
 
 // Whether weights of this GGML type are interleaved on the CPU.
 KVFLOW_HOST_DEVICE constexpr bool interleaves(int64_t ggml_type) {
   return ggml_type == int64_t(GgufType::kQ4_0) || ggml_type == int64_t(GgufType::kQ4_1) ||
          ggml_type == int64_t(GgufType::kQ5_0) || ggml_type == int64_t(GgufType::kQ5_1) ||
          ggml_type == int64_t(GgufType::kQ8_0) || ggml_type == int64_t(GgufType::kQ4_K) ||
-         ggml_type == int64_t(GgufType::kQ6_K);
+         ggml_type == int64_t(GgufType::kQ5_K) || ggml_type == int64_t(GgufType::kQ6_K);
 }
 
 // The GGML type an interleaved type id lays out, or -1 for any other id.
@@ -279,15 +280,18 @@ constexpr int interleaved_index(QuantFormat f) {
          : f == QuantFormat::kQ5_1 ? 3
          : f == QuantFormat::kQ8_0 ? 4
          : f == QuantFormat::kQ4_K ? 5
-                                   : 6;
+         : f == QuantFormat::kQ6_K ? 6
+                                   : 7;
 }
 
 // The bytes of one row's header field i of an interleaved format's block (0 past its last):
 // d, then m (Q4_1, Q5_1), then the fifth bits (Q5_0, Q5_1); Q4_K: d, dmin, then its 12 scale
 // bytes one by one, so that byte t of the 8 rows' scales lies in 8 bytes together; Q6_K: its 16
-// scales one by one, then d.
+// scales one by one, then d; Q5_K: as Q4_K, then its fifth bits in 8 fields of 4 bytes, so that
+// they lie as the pieces of codes do.
 constexpr int64_t interleaved_field_bytes(QuantFormat f, int i) {
   if (f == QuantFormat::kQ4_K) return i < 2 ? 2 : i < 14 ? 1 : 0;
+  if (f == QuantFormat::kQ5_K) return i < 2 ? 2 : i < 14 ? 1 : i < 22 ? 4 : 0;
   if (f == QuantFormat::kQ6_K) return i < 16 ? 1 : i == 16 ? 2 : 0;
   const bool offset = f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1;
   const bool fifth = f == QuantFormat::kQ5_0 || f == QuantFormat::kQ5_1;

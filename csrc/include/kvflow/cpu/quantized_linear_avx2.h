@@ -273,17 +273,22 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
 }
 
-// One group of 8 Q4_K weight rows in the interleaved layout (gguf_blocks.h) times input rows
-// r0 .. r0 + kRows, as interleaved_group_avx2 does for the 32-weight formats. Per 256-weight block:
-// the 8 rows' d and dmin, then scale byte t of the 8 rows at 32 + 8t, then 32 pieces, of which
-// 8g .. 8g + 7 hold chunk 2g's codes in their low nibbles and chunk 2g + 1's in their high ones.
-// The 8 chunks' scales and mins of the 8 rows (k_scale_min, one row a 32-bit lane) are decoded
-// once per block for every input row; a chunk's pair sums add in 16 bits over its 8 pieces
-// (at most 8 x 2 x 15 x 127 = 30480) and widen once.
-template <int kRows>
-void interleaved_q4_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
-  constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ4_K);
-  constexpr int64_t kScaleBytes = 32, kPieces = kInterleavedRows * interleaved_header_bytes(QuantFormat::kQ4_K);
+// One group of 8 Q4_K or Q5_K weight rows in the interleaved layout (gguf_blocks.h) times input
+// rows r0 .. r0 + kRows, as interleaved_group_avx2 does for the 32-weight formats. Per 256-weight
+// block: the 8 rows' d and dmin, then scale byte t of the 8 rows at 32 + 8t, then (Q5_K) 8
+// pieces of the fifth bits, piece k holding qh bytes 4k..4k+3 of each row (bit c of a byte: chunk
+// c's), then 32 pieces of nibbles, of which 8g .. 8g + 7 hold chunk 2g's codes in their low
+// nibbles and chunk 2g + 1's in their high ones. The 8 chunks' scales and mins of the 8 rows
+// (k_scale_min, one row a 32-bit lane) are decoded once per block for every input row. A chunk's
+// pair sums add in 16 bits over its 8 pieces (Q4_K: at most 8 x 2 x 15 x 127 = 30480), or over
+// 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen.
+template <QuantFormat F, int kRows>
+void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
+  static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
+  constexpr bool kFifthBit = F == QuantFormat::kQ5_K;
+  constexpr int kPiecesPerSum = kFifthBit ? 4 : 8;
+  constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
+  constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
   constexpr int64_t kAheadBytes = 2048;
   const __m256i low4 = _mm256_set1_epi8(0xF), low6 = _mm256_set1_epi32(63), ones = _mm256_set1_epi16(1);
   __m256 acc[kRows];
@@ -314,20 +319,29 @@ void interleaved_q4_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
     for (int j = 0; j < 8; ++j) {
       const int64_t chunk = 8 * b + j;
       const uint8_t* pieces = block + kPieces + 32 * 8 * (j / 2);
-      __m256i sums[kRows];
+      __m256i sums[kRows];  // 32-bit sums of the chunk
+      __m256i pair_sums[kRows];  // 16-bit sums of up to kPiecesPerSum pieces
       for (int k = 0; k < 8; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
-        const __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
+        __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
+        if constexpr (kFifthBit) {
+          const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFifthBits + 32 * k));
+          codes = _mm256_or_si256(codes, _mm256_slli_epi16(_mm256_and_si256(shift_right(fifth, j), _mm256_set1_epi8(1)), 4));
+        }
         for (int r = 0; r < kRows; ++r) {
           const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
           const __m256i products = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(int32_t(block_word(xq + 4 * k))));
-          sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
+          pair_sums[r] = k % kPiecesPerSum == 0 ? products : _mm256_add_epi16(pair_sums[r], products);
+          if (k % kPiecesPerSum == kPiecesPerSum - 1) {
+            const __m256i widened = _mm256_madd_epi16(pair_sums[r], ones);
+            sums[r] = k < kPiecesPerSum ? widened : _mm256_add_epi32(sums[r], widened);
+          }
         }
       }
       // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
       for (int r = 0; r < kRows; ++r) {
         const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+        const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
         acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_load_ps(scale[j]), _mm256_set1_ps(scale_sum[0])), acc[r]);
         acc[r] = _mm256_fnmadd_ps(_mm256_load_ps(min[j]), _mm256_set1_ps(scale_sum[1]), acc[r]);
       }
@@ -395,8 +409,8 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
 // The group kernel of format F.
 template <QuantFormat F, int kRows>
 void interleaved_group_of_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
-  if constexpr (F == QuantFormat::kQ4_K) {
-    interleaved_q4_k_group_avx2<kRows>(group, x, r0, out);
+  if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
+    interleaved_k_group_avx2<F, kRows>(group, x, r0, out);
   } else if constexpr (F == QuantFormat::kQ6_K) {
     interleaved_q6_k_group_avx2<kRows>(group, x, r0, out);
   } else {
@@ -591,6 +605,7 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_1>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_K>;
   t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ6_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ6_K>;
+  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_K>;
 }
 
 }  // namespace
