@@ -634,7 +634,7 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, ki
     graph.load_weights(gguf_weights(reader, config, raw))
     modules = dict(graph.named_modules())
     assert {name: modules[name].ggml_type for name in expected} == expected
-    prepare_cpu_weights(graph, prepack=False)  # as the loader leaves a CPU model: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 interleaved
+    prepare_cpu_weights(graph, prepack=False)  # as the loader leaves a CPU model: every quantized type interleaved
     interleaved = {name for name, held in expected.items() if held in INTERLEAVED_TYPES}
     assert {name for name in expected if modules[name].ggml_type in INTERLEAVED_TYPES.values()} == interleaved
     assert any("layers." in name for name in interleaved)  # k_quants: layer 2's Q5_0 and Q5_1 projections

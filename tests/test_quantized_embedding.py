@@ -1,5 +1,5 @@
 """quantized_embedding (a table in GGUF blocks of each type quantized_linear runs, and in the
-interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 that a tied LM head keeps) against the rows the gguf
+interleaved layout of every quantized type, which a tied LM head keeps) against the rows the gguf
 package dequantizes, scaled and rounded once to the output dtype; bad ids and arguments get clear
 errors."""
 

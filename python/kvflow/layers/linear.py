@@ -24,10 +24,10 @@ def quantized_parameter(weight: torch.Tensor, ggml_type: int) -> nn.Parameter | 
 
 
 def interleaved_parameter(weight: torch.Tensor, ggml_type: int | None) -> tuple[nn.Parameter, int] | None:
-    """A CPU weight in the GGUF blocks of a type that interleaves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K), of whole
-    groups of rows, in kvflow's interleaved layout (kvflow.ops.quantized.interleave_rows: same
-    bytes, 8 rows multiplied at once by the few-row kernel), with its type id; None for any
-    other weight."""
+    """A CPU weight in the GGUF blocks of a type that interleaves (INTERLEAVED_TYPES: every
+    quantized type), of whole groups of rows, in kvflow's interleaved layout
+    (kvflow.ops.quantized.interleave_rows: same bytes, 8 rows multiplied at once by the few-row
+    kernel), with its type id; None for any other weight."""
     if not (ggml_type in INTERLEAVED_TYPES and weight.is_cpu and weight.shape[0] % INTERLEAVED_ROWS == 0):
         return None
     return (nn.Parameter(interleave_rows(weight.data, ggml_type), requires_grad=False),

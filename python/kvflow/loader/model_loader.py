@@ -139,7 +139,7 @@ def packable(module: torch.nn.Module) -> bool:
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0,
                         memory_share: float = 1.0) -> None:
     """bfloat16 projection weights packed for packed_linear (where prepack and the model can),
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K projections, embeddings and LM heads in the interleaved layout
+    quantized projections, embeddings and LM heads in the interleaved layout
     of the few-row kernel (interleave_rows), then every weight into huge pages, in the order a forward pass
     reads them.
 

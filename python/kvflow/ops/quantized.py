@@ -14,7 +14,7 @@ GGML_TYPE_NAMES = {GGML_Q4_0: "Q4_0", GGML_Q4_1: "Q4_1", GGML_Q5_0: "Q5_0", GGML
                    GGML_Q4_K: "Q4_K", GGML_Q5_K: "Q5_K", GGML_Q6_K: "Q6_K"}
 
 
-# kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K weights on the CPU (csrc's
+# kvflow's interleaved layout of every quantized type's weights on the CPU (csrc's
 # gguf_blocks.h): rows in groups of INTERLEAVED_ROWS, each group's blocks stored together so that
 # the few-row kernel multiplies 8 rows at once. Same bytes as the file's rows; made at load by
 # interleave_rows.
