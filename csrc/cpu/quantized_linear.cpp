@@ -32,7 +32,7 @@ struct QuantizedLinearPlan {
   int64_t rows, chunks, row_bytes, out_features;  // chunks: of 32 input features
   bool out_is_float32;
   bool panels;       // the many-row path
-  bool interleaved;  // the weight in kvflow's interleaved layout of Q4_0 / Q4_1 (gguf_blocks.h)
+  bool interleaved;  // the weight in kvflow's interleaved layout (gguf_blocks.h)
   int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
   int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
 };
@@ -57,8 +57,9 @@ QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tens
   TORCH_CHECK(!interleaved || g.out_features % kInterleavedRows == 0, "quantized_linear: a weight of type ", ggml_type,
               " (rows interleaved in groups of ", kInterleavedRows, ") has a multiple of ", kInterleavedRows,
               " rows, got ", g.out_features);
-  // An interleaved weight's int8 kernel beats the dequantized panels at every row count (about
-  // 2x from 32 to 512 rows: docs/benchmarks.md), so it takes them all.
+  // An interleaved weight's int8 kernel beats the dequantized panels at almost every row count
+  // (about 2x from 32 to 512 rows; Q6_K's, whose codes are centred, 0.9-1.4x at 64:
+  // docs/benchmarks.md), so it takes them all.
   // Batch-invariant mode keeps every row count on the int8 kernel, whose sums are exact.
   const bool panels = !interleaved && !batch_invariant() && g.rows >= kPanelRows &&
                       input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;

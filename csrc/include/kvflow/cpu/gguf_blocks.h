@@ -244,17 +244,15 @@ inline void quantize_activation_block(const float* x, int8_t* q, float* scale_su
 }
 
 
-// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights, made once at
-// load for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go in groups
-// of kInterleavedRows; a group stores block b of its 8 rows together: each field of the block's
-// header in turn for the 8 rows (d; Q4_1 and Q5_1 then m; the 5-bit formats then their 32 fifth
-// bits, 4 bytes a row; Q4_K and Q5_K then dmin and their 12 scale bytes, each a field of its own,
-// Q5_K then its 32 bytes of fifth bits as 8 fields of 4; Q6_K its 16 scales, each a field, then
-// d), then 32-byte pieces (four of nibbles, eight of Q8_0's codes, thirty-two of Q4_K's and Q5_K's
-// nibbles, forty-eight of Q6_K's low then high bits), piece k holding code
-// bytes 4k..4k+3 (the block's bytes outside its header, in order) of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows,
-// so the same memory; a row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with
-// one instruction, and convert their 8 scales with another.
+// kvflow's interleaved layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights, made
+// once at load for the CPU's products (type id kInterleavedTypeBase + the GGML type). The rows go
+// in groups of kInterleavedRows; a group stores block b of its 8 rows together: each field of the
+// block's header in turn for the 8 rows (interleaved_field_bytes), then 32-byte pieces (four of
+// nibbles, eight of Q8_0's codes, thirty-two of the K-quants' nibbles, forty-eight of Q6_K's low
+// then high bits), piece k holding code bytes 4k..4k+3 (the block's bytes outside its header, in
+// order) of row 0, of row 1, ... of row 7. The same bytes as the GGUF rows, so the same memory; a
+// row's 32-bit lane in each piece lets the AVX2 kernel multiply 8 rows with one instruction, and
+// convert their 8 scales with another.
 constexpr int64_t kInterleavedRows = 8;
 constexpr int64_t kInterleavedTypeBase = 1000;
 constexpr int kNumInterleavedFormats = 8;  // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q5_K
