@@ -28,7 +28,8 @@ INTERLEAVED_TYPES = {GGML_Q4_0: GGML_Q4_0_INTERLEAVED, GGML_Q4_1: GGML_Q4_1_INTE
                      GGML_Q5_K: GGML_Q5_K_INTERLEAVED, GGML_Q6_K: GGML_Q6_K_INTERLEAVED}
 # The bytes of each field of a block's header: d; m (Q4_1, Q5_1); the 32 fifth bits (Q5_0,
 # Q5_1); Q4_K: d, dmin, then each of its 12 scale bytes as a field of its own; Q5_K: the same,
-# then its 32 bytes of fifth bits as 8 fields of 4; Q6_K: each of its 16 scales, then d. The header starts the block, but Q6_K's ends it (after 192 bytes of codes).
+# then its 32 bytes of fifth bits as 8 fields of 4; Q6_K: each of its 16 scales, then d. The
+# header starts the block, but Q6_K's ends it (after 192 bytes of codes).
 _INTERLEAVED_HEADER_FIELDS = {GGML_Q4_0: (2,), GGML_Q4_1: (2, 2), GGML_Q5_0: (2, 4), GGML_Q5_1: (2, 2, 4),
                               GGML_Q8_0: (2,), GGML_Q4_K: (2, 2) + (1,) * 12, GGML_Q5_K: (2, 2) + (1,) * 12 + (4,) * 8,
                               GGML_Q6_K: (1,) * 16 + (2,)}
