@@ -216,7 +216,7 @@ inline void chunk_scores_split(const float* q, const bfloat16* k, int64_t row_st
 }
 
 // A row of HD floats from split order (each 2W values: the W even-indexed, then the W odd-indexed)
-// into natural order, or back.
+// into natural order.
 template <int W, int HD>
 inline void unsplit_pairs(const float* split, float* natural) {
   for (int i = 0; i < HD; i += 2 * W) {
