@@ -29,16 +29,7 @@ namespace {
 KernelTable make_avx512_table() {
   KernelTable table = make_kernel_table<VecAvx512>("avx512");
   table.packed_linear = avx2_kernels().packed_linear;  // no bf16 dot product: AVX2's widening kernel
-  // The GGUF block products: AVX2's integer kernels (no AVX-512 VNNI one yet).
-  table.quantize_activations[0] = avx2_kernels().quantize_activations[0];
-  table.quantize_activations[1] = avx2_kernels().quantize_activations[1];
-  for (int format = 0; format < kNumQuantFormats; ++format) {
-    table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
-    table.dequantize_panel[format] = avx2_kernels().dequantize_panel[format];
-  }
-  for (int base = 0; base < kNumInterleavedFormats; ++base) {
-    table.quantized_linear_interleaved[base] = avx2_kernels().quantized_linear_interleaved[base];
-  }
+  fill_avx512_quantized_entries(table);
   return table;
 }
 

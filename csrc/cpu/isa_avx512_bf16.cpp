@@ -46,16 +46,7 @@ KernelTable make_avx512_bf16_table() {
   bf16_attention[attention_head_dim_index(256)] = paged_attention_avx512_bf16<256>;
   table.small_linear[int(DType::kBFloat16)] = small_linear_avx512_bf16;
   table.packed_linear = packed_linear_panels<PackedLinearAvx512Bf16>;
-  // The GGUF block products: AVX2's integer kernels (no AVX-512 VNNI one yet).
-  table.quantize_activations[0] = avx2_kernels().quantize_activations[0];
-  table.quantize_activations[1] = avx2_kernels().quantize_activations[1];
-  for (int format = 0; format < kNumQuantFormats; ++format) {
-    table.quantized_linear[format] = avx2_kernels().quantized_linear[format];
-    table.dequantize_panel[format] = avx2_kernels().dequantize_panel[format];
-  }
-  for (int base = 0; base < kNumInterleavedFormats; ++base) {
-    table.quantized_linear_interleaved[base] = avx2_kernels().quantized_linear_interleaved[base];
-  }
+  fill_avx512_quantized_entries(table);
   return table;
 }
 

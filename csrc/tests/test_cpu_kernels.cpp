@@ -9,12 +9,14 @@
 #include <vector>
 
 #include "check.h"
+#include "quantized_reference.h"
 #include "kvflow/cpu/gguf_blocks.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "kvflow/numeric.h"
 
 using namespace kvflow;
 using namespace kvflow::cpu;
+using namespace kvflow::testing;
 
 namespace {
 
@@ -204,61 +206,19 @@ KVFLOW_TEST(quantize_activations_match_the_definition) {
 // Every instruction set's quantized_linear against a plain loop over dequantize_chunk and the
 // activations as quantized, for each format: equal up to float32 accumulation.
 KVFLOW_TEST(quantized_linear_matches_dequantized_blocks) {
-  const int64_t rows = 5, in_features = 512, chunks = in_features / kQuantBlock, out_features = 9;
-  std::mt19937 gen(8);
-  std::uniform_int_distribution<int> byte(0, 255);
-  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
-  const auto x = random_floats(size_t(rows * in_features), 22);
-  std::vector<int8_t> xq(x.size());
-  std::vector<float> scale_sum(size_t(2 * rows * chunks));
-  for (int64_t i = 0; i < rows * chunks; ++i) {
-    quantize_activation_block(x.data() + i * kQuantBlock, xq.data() + i * kQuantBlock, scale_sum.data() + 2 * i);
-  }
-  const QuantizedRows quantized{xq.data(), scale_sum.data(), chunks};
+  const int64_t rows = 5, in_features = 512, out_features = 9;
+  const QuantizedInput in = quantized_input(random_floats(size_t(rows * in_features), 22), rows, in_features);
   for (int f = 0; f < kNumQuantFormats; ++f) {
     const QuantFormat format = QuantFormat(f);
-    const int64_t block_bytes = quant_block_bytes(format);
-    const int64_t blocks = in_features / quant_block_values(format), row_bytes = blocks * block_bytes;
-    std::vector<uint8_t> weight(size_t(out_features * row_bytes));
-    for (auto& b : weight) b = uint8_t(byte(gen));
-    // Real float16 scales (random bits could be inf or nan): d (and m or dmin) first, Q6_K's d last.
-    const int64_t halves = format == QuantFormat::kQ6_K ? 1 : has_offset(format) ? 2 : 1;
-    const int64_t first_half = format == QuantFormat::kQ6_K ? 208 : 0;
-    for (int64_t i = 0; i < out_features * blocks; ++i) {
-      for (int64_t half = 0; half < halves; ++half) {
-        const float16 s = from_float<float16>(scale(gen));
-        std::memcpy(weight.data() + i * block_bytes + first_half + 2 * half, &s.bits, 2);
-      }
-    }
-    std::vector<float> expected(size_t(rows * out_features)), bound(expected.size());
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t o = 0; o < out_features; ++o) {
-        double total = 0, magnitude = 0;
-        for (int64_t b = 0; b < chunks; ++b) {
-          const int64_t per_block = quant_block_chunks(format);
-          const uint8_t* block = weight.data() + o * row_bytes + b / per_block * block_bytes;
-          WeightChunk chunk;
-          decode_chunk(format, block, int(b % per_block), &chunk);
-          const int64_t i = r * chunks + b;
-          for (int64_t j = 0; j < kQuantBlock; ++j) {
-            const double term = double(chunk.scale[j / 16]) * chunk.code[j] * scale_sum[size_t(2 * i)] *
-                                xq[size_t(i * kQuantBlock + j)];
-            total += term;
-            magnitude += std::fabs(term);
-          }
-          total += double(chunk.offset) * scale_sum[size_t(2 * i + 1)];
-          magnitude += std::fabs(double(chunk.offset) * scale_sum[size_t(2 * i + 1)]);
-        }
-        expected[size_t(r * out_features + o)] = float(total);
-        bound[size_t(r * out_features + o)] = float(2e-6 * magnitude + 1e-6);
-      }
-    }
+    const int64_t row_bytes = in_features / quant_block_values(format) * quant_block_bytes(format);
+    const std::vector<uint8_t> weight = random_gguf_rows(format, out_features, in_features, uint32_t(8 + f));
+    const ExpectedProducts expected = expected_products(format, weight, out_features, in, rows);
     for (const std::string& isa : supported_isas()) {
       const KernelTable& t = table_named(isa);
-      std::vector<float> out(expected.size(), -1.f);
-      t.quantized_linear[int(format)](out.data(), true, quantized, weight.data(), row_bytes, nullptr, rows,
+      std::vector<float> out(expected.value.size(), -1.f);
+      t.quantized_linear[int(format)](out.data(), true, in.rows(), weight.data(), row_bytes, nullptr, rows,
                                       out_features, 0, out_features);
-      for (size_t k = 0; k < out.size(); ++k) KVFLOW_CHECK(std::fabs(out[k] - expected[k]) <= bound[k]);
+      for (size_t k = 0; k < out.size(); ++k) KVFLOW_CHECK(std::fabs(out[k] - expected.value[k]) <= expected.bound[k]);
     }
   }
   set_isa(supported_isas().back());

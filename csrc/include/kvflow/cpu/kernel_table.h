@@ -234,6 +234,10 @@ const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 const KernelTable& avx512_bf16_kernels();
 
+// Sets the GGUF block products of an AVX-512 table: AVX2's integer kernels, with the interleaved
+// products in AVX-512 VNNI (vpdpbusd on 256-bit vectors) where this CPU has it.
+void fill_avx512_quantized_entries(KernelTable& table);
+
 // Each x86 feature kvflow asks about, and whether this CPU (and OS) has it; empty elsewhere.
 std::vector<std::pair<std::string, bool>> cpu_features();
 

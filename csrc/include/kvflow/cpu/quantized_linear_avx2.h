@@ -30,6 +30,20 @@ inline __m256i fifth_bits(uint32_t bits) {
 // 32 bytes shifted right by n bits within each byte's 16-bit pair (callers mask what they keep).
 inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
 
+// The byte products of the interleaved kernels below, as a policy: in each 32-bit lane, four
+// unsigned bytes of u times the four signed bytes of s. A kernel adds products into a partial
+// sum (first, then add), widens it into 32-bit lane sums, and adds those. Here vpmaddubsw's
+// 16-bit pair sums, widened by vpmaddwd: kernels add only as many products as 16 bits hold.
+// AVX-512 VNNI's vpdpbusd sums into 32-bit lanes at once (isa_avx512_vnni.cpp).
+struct MaddubsDot {
+  static constexpr bool kSums32 = false;  // partials are 16-bit
+  static __m256i first(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+  static __m256i add(__m256i partial, __m256i u, __m256i s) {
+    return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u, s));
+  }
+  static __m256i widen(__m256i partial) { return _mm256_madd_epi16(partial, _mm256_set1_epi16(1)); }
+};
+
 template <QuantFormat F>
 struct QuantDotAvx2 {
   static constexpr int64_t kBytes = quant_block_bytes(F), kChunks = quant_block_chunks(F);
@@ -195,27 +209,29 @@ inline __m256i lane_fifth_bits(__m256i bits, int first) {
 
 // One group of 8 weight rows in the interleaved layout (gguf_blocks.h) times input rows
 // r0 .. r0 + kRows: out[r][j] = row j of the group . input row r0 + r. Per block, each 32-byte
-// piece holds 4 codes of each of the 8 rows (row j in 32-bit lane j); vpmaddubsw against the
-// input's matching 4 codes, broadcast to every lane, gives each row's pair sums. The 8 rows'
-// scales convert in one vcvtph2ps.
+// piece holds 4 codes of each of the 8 rows (row j in 32-bit lane j); a byte product (Dot)
+// against the input's matching 4 codes, broadcast to every lane, gives each row's sums. The 8
+// rows' scales convert in one vcvtph2ps. With 16-bit partials (MaddubsDot):
 // - Q4_0, Q4_1: a piece's low and high nibbles are two sets of 4 codes; the pair sums add in 16
 //   bits over the block's 8 half-pieces (at most 8 x 2 x 15 x 127 = 30480, no overflow) and
 //   widen once.
 // - Q5_0, Q5_1: as Q4 with each code's fifth bit (a 32-bit word per row: lane_fifth_bits) set
 //   into its byte; a piece's pair sums (up to 2 x 2 x 31 x 127 = 15748) widen and add in 32 bits.
-// - Q8_0: eight pieces of signed codes, so vpmaddubsw takes |w| against x carrying w's sign; its
-//   pair sums (up to 2 x 127 x 127) leave no room for a 16-bit sum, so each piece's widen
-//   (vpmaddwd) and add in 32 bits.
-template <QuantFormat F, int kRows>
+// - Q8_0: eight pieces of signed codes, so the product takes |w| against x carrying w's sign;
+//   its pair sums (up to 2 x 127 x 127) leave no room for a 16-bit sum, so each piece's widen
+//   and add in 32 bits.
+// With 32-bit partials a block's products all add into one.
+template <QuantFormat F, int kRows, class Dot>
 void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
-  constexpr bool kWideSums = kSigned || kFifthBit;  // 32-bit sums per piece
+  constexpr int kPieces = kSigned ? 8 : 4;
+  constexpr int kPiecesPerSum = Dot::kSums32 ? kPieces : kSigned || kFifthBit ? 1 : 4;
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
-  constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kPieces = kInterleavedRows * kHeader;
+  constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
   constexpr int64_t kAheadBytes = kSigned ? 4096 : 2048;  // about as many blocks ahead either way
-  const __m256i low4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -225,36 +241,37 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
       const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + b) * kQuantBlock);
       return _mm256_set1_epi32(int32_t(block_word(xq + byte)));
     };
-    __m256i sums[kRows];  // Q4: 16-bit pair sums; Q8_0: 32-bit sums
+    __m256i partial[kRows], sums[kRows];  // a partial's sums widen into 32-bit sums every kPiecesPerSum pieces
+    auto widen_at = [&](int r, int k) {
+      if (k % kPiecesPerSum != kPiecesPerSum - 1) return;
+      const __m256i widened = Dot::widen(partial[r]);
+      sums[r] = k < kPiecesPerSum ? widened : _mm256_add_epi32(sums[r], widened);
+    };
     if constexpr (kSigned) {
-      for (int k = 0; k < 8; ++k) {
-        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+      for (int k = 0; k < kPieces; ++k) {
+        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k));
         const __m256i magnitude = _mm256_sign_epi8(piece, piece);
         for (int r = 0; r < kRows; ++r) {
-          const __m256i products =
-              _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(input_word(r, 4 * k), piece)), ones);
-          sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
+          const __m256i signed_x = _mm256_sign_epi8(input_word(r, 4 * k), piece);
+          partial[r] = k % kPiecesPerSum == 0 ? Dot::first(magnitude, signed_x) : Dot::add(partial[r], magnitude, signed_x);
+          widen_at(r, k);
         }
       }
     } else {
       const __m256i fifth = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFifthBits))
                                       : _mm256_setzero_si256();
-      for (int k = 0; k < 4; ++k) {
-        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kPieces + 32 * k));
+      for (int k = 0; k < kPieces; ++k) {
+        const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k));
         __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
         if constexpr (kFifthBit) {
           low = _mm256_or_si256(low, lane_fifth_bits(fifth, 4 * k));
           high = _mm256_or_si256(high, lane_fifth_bits(fifth, 16 + 4 * k));
         }
         for (int r = 0; r < kRows; ++r) {
-          __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, input_word(r, 4 * k)),
-                                              _mm256_maddubs_epi16(high, input_word(r, 16 + 4 * k)));
-          if constexpr (kFifthBit) {
-            products = _mm256_madd_epi16(products, ones);
-            sums[r] = k == 0 ? products : _mm256_add_epi32(sums[r], products);
-          } else {
-            sums[r] = k == 0 ? products : _mm256_add_epi16(sums[r], products);
-          }
+          const __m256i x_low = input_word(r, 4 * k), x_high = input_word(r, 16 + 4 * k);
+          partial[r] = k % kPiecesPerSum == 0 ? Dot::first(low, x_low) : Dot::add(partial[r], low, x_low);
+          partial[r] = Dot::add(partial[r], high, x_high);
+          widen_at(r, k);
         }
       }
     }
@@ -265,7 +282,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
                                    : _mm256_mul_ps(d, _mm256_set1_ps(kFifthBit ? -16.f : -8.f));
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
-      const __m256 dot = _mm256_cvtepi32_ps(kWideSums ? sums[r] : _mm256_madd_epi16(sums[r], ones));
+      const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale_sum[0])), acc[r]);
       if constexpr (!kSigned) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
     }
@@ -279,18 +296,18 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
 // pieces of the fifth bits, piece k holding qh bytes 4k..4k+3 of each row (bit c of a byte: chunk
 // c's), then 32 pieces of nibbles, of which 8g .. 8g + 7 hold chunk 2g's codes in their low
 // nibbles and chunk 2g + 1's in their high ones. The 8 chunks' scales and mins of the 8 rows
-// (k_scale_min, one row a 32-bit lane) are decoded once per block for every input row. A chunk's
-// pair sums add in 16 bits over its 8 pieces (Q4_K: at most 8 x 2 x 15 x 127 = 30480), or over
-// 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen.
-template <QuantFormat F, int kRows>
+// (k_scale_min, one row a 32-bit lane) are decoded once per block for every input row. With
+// 16-bit partials a chunk's pair sums add over its 8 pieces (Q4_K: at most 8 x 2 x 15 x 127 =
+// 30480), or over 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen.
+template <QuantFormat F, int kRows, class Dot>
 void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
   constexpr bool kFifthBit = F == QuantFormat::kQ5_K;
-  constexpr int kPiecesPerSum = kFifthBit ? 4 : 8;
+  constexpr int kPiecesPerSum = kFifthBit && !Dot::kSums32 ? 4 : 8;
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
   constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
   constexpr int64_t kAheadBytes = 2048;
-  const __m256i low4 = _mm256_set1_epi8(0xF), low6 = _mm256_set1_epi32(63), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0xF), low6 = _mm256_set1_epi32(63);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks / 8; ++b) {
@@ -320,7 +337,7 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
       const int64_t chunk = 8 * b + j;
       const uint8_t* pieces = block + kPieces + 32 * 8 * (j / 2);
       __m256i sums[kRows];  // 32-bit sums of the chunk
-      __m256i pair_sums[kRows];  // 16-bit sums of up to kPiecesPerSum pieces
+      __m256i partial[kRows];  // sums of up to kPiecesPerSum pieces
       for (int k = 0; k < 8; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
         __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
@@ -330,10 +347,10 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
         }
         for (int r = 0; r < kRows; ++r) {
           const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
-          const __m256i products = _mm256_maddubs_epi16(codes, _mm256_set1_epi32(int32_t(block_word(xq + 4 * k))));
-          pair_sums[r] = k % kPiecesPerSum == 0 ? products : _mm256_add_epi16(pair_sums[r], products);
+          const __m256i input = _mm256_set1_epi32(int32_t(block_word(xq + 4 * k)));
+          partial[r] = k % kPiecesPerSum == 0 ? Dot::first(codes, input) : Dot::add(partial[r], codes, input);
           if (k % kPiecesPerSum == kPiecesPerSum - 1) {
-            const __m256i widened = _mm256_madd_epi16(pair_sums[r], ones);
+            const __m256i widened = Dot::widen(partial[r]);
             sums[r] = k < kPiecesPerSum ? widened : _mm256_add_epi32(sums[r], widened);
           }
         }
@@ -355,14 +372,14 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
 // then 48 pieces: 32 of the low four bits (GGUF's ql), 16 of the high two (qh). Chunk c = 4h + k
 // (h the block's half) takes piece 16h + 8(k % 2) + p's nibble k / 2 and piece 32 + 8h + p's bits
 // 2k..2k+1 for its codes 4p..4p+3, centred by 32; its first and last 16 weights have scales 2c
-// and 2c + 1. vpmaddubsw takes |w| against x carrying w's sign, and a half chunk's 4 pieces add
-// in 16 bits (at most 4 x 2 x 32 x 127 = 32512) before they widen.
-template <int kRows>
+// and 2c + 1. The byte product takes |w| against x carrying w's sign, and a half chunk's 4
+// pieces add into one partial (in 16 bits: at most 4 x 2 x 32 x 127 = 32512) before it widens.
+template <int kRows, class Dot>
 void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
   constexpr int64_t kD = 16 * kInterleavedRows, kPieces = kInterleavedRows * interleaved_header_bytes(QuantFormat::kQ6_K);
   constexpr int64_t kAheadBytes = 2048;
-  const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks / 8; ++b) {
@@ -390,14 +407,13 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
           for (int r = 0; r < kRows; ++r) {
             const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
             const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(int32_t(block_word(xq + 4 * p))), w);
-            const __m256i products = _mm256_maddubs_epi16(magnitude, signed_x);
-            sums[r] = p == 4 * half ? products : _mm256_add_epi16(sums[r], products);
+            sums[r] = p == 4 * half ? Dot::first(magnitude, signed_x) : Dot::add(sums[r], magnitude, signed_x);
           }
         }
         const __m256 row_scale = _mm256_load_ps(scale[2 * c + half]);
         for (int r = 0; r < kRows; ++r) {
           const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+          const __m256 dot = _mm256_cvtepi32_ps(Dot::widen(sums[r]));
           acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
         }
       }
@@ -407,19 +423,20 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
 }
 
 // The group kernel of format F.
-template <QuantFormat F, int kRows>
+template <QuantFormat F, int kRows, class Dot>
 void interleaved_group_of_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
-    interleaved_k_group_avx2<F, kRows>(group, x, r0, out);
+    interleaved_k_group_avx2<F, kRows, Dot>(group, x, r0, out);
   } else if constexpr (F == QuantFormat::kQ6_K) {
-    interleaved_q6_k_group_avx2<kRows>(group, x, r0, out);
+    interleaved_q6_k_group_avx2<kRows, Dot>(group, x, r0, out);
   } else {
-    interleaved_group_avx2<F, kRows>(group, x, r0, out);
+    interleaved_group_avx2<F, kRows, Dot>(group, x, r0, out);
   }
 }
 
-// QuantizedLinearFn on the interleaved layout; begin and end are multiples of kInterleavedRows.
-template <QuantFormat F>
+// QuantizedLinearFn on the interleaved layout, with the byte products of Dot; begin and end are
+// multiples of kInterleavedRows.
+template <QuantFormat F, class Dot>
 void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
                                        int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
                                        int64_t begin, int64_t end) {
@@ -431,10 +448,10 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
       __m256 sums[kRowTile];
       const int n = int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_group_of_avx2<F, 1>(group, x, r0, sums); break;
-        case 2: interleaved_group_of_avx2<F, 2>(group, x, r0, sums); break;
-        case 3: interleaved_group_of_avx2<F, 3>(group, x, r0, sums); break;
-        default: interleaved_group_of_avx2<F, 4>(group, x, r0, sums); break;
+        case 1: interleaved_group_of_avx2<F, 1, Dot>(group, x, r0, sums); break;
+        case 2: interleaved_group_of_avx2<F, 2, Dot>(group, x, r0, sums); break;
+        case 3: interleaved_group_of_avx2<F, 3, Dot>(group, x, r0, sums); break;
+        default: interleaved_group_of_avx2<F, 4, Dot>(group, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
@@ -591,6 +608,15 @@ void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* 
   }
 }
 
+// The interleaved products of every format (all of them interleave), with the byte products of Dot.
+template <class Dot, int... kFormats>
+void fill_interleaved_entries(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  static_assert(sizeof...(kFormats) == kNumInterleavedFormats);
+  ((t.quantized_linear_interleaved[interleaved_index(QuantFormat(kFormats))] =
+        quantized_linear_interleaved_avx2<QuantFormat(kFormats), Dot>),
+   ...);
+}
+
 // The AVX2 entries of every format.
 template <int... kFormats>
 void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFormats...>) {
@@ -598,14 +624,7 @@ void fill_quantized_entries_avx2(KernelTable& t, std::integer_sequence<int, kFor
   t.quantize_activations[1] = quantize_activations_avx2<bfloat16>;
   ((t.quantized_linear[kFormats] = quantized_linear_rows<QuantDotAvx2<QuantFormat(kFormats)>>), ...);
   ((t.dequantize_panel[kFormats] = dequantize_panel_avx2<QuantFormat(kFormats)>), ...);
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_0>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_1>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ8_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ8_0>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_0)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_0>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_1)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_1>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ4_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ4_K>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ6_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ6_K>;
-  t.quantized_linear_interleaved[interleaved_index(QuantFormat::kQ5_K)] = quantized_linear_interleaved_avx2<QuantFormat::kQ5_K>;
+  fill_interleaved_entries<MaddubsDot>(t, std::integer_sequence<int, kFormats...>{});
 }
 
 }  // namespace
