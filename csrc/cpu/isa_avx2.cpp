@@ -34,6 +34,7 @@ KernelTable make_avx2_table() {
   table.packed_linear = PackedLinearWidened<VecAvx2, 6, 2>::run;
   table.small_linear[int(DType::kBFloat16)] = SmallLinearWidened<VecAvx2>::run;
   fill_quantized_entries_avx2(table, std::make_integer_sequence<int, kNumQuantFormats>{});
+  fill_avx_vnni_entries(table);
   return table;
 }
 

@@ -75,13 +75,17 @@ class CpuPlatform:
             products = "kvflow packed panels, portable C++ (slow: prefer --dtype float32)"
         few_rows = {"avx512_bf16": "vdpbf16ps", "avx512": "AVX-512 FMA, bf16/fp16 widened",
                     "avx2": "AVX2 FMA, bf16/fp16 widened", "scalar": "portable C++"}[self.isa]
-        quantized = {"avx512_bf16": "AVX2 int8 kernel (vpmaddubsw)", "avx512": "AVX2 int8 kernel (vpmaddubsw)",
+        quantized = {"avx512_bf16": "AVX2 int8 (vpmaddubsw)", "avx512": "AVX2 int8 (vpmaddubsw)",
                      "avx2": "AVX2 int8 (vpmaddubsw)", "scalar": "portable C++"}[self.isa]
+        if self.isa.startswith("avx512") and self.has("avx512_vnni"):
+            quantized = "AVX-512 VNNI int8 (vpdpbusd, 256-bit)"
+        elif self.isa == "avx2" and self.has("avx_vnni"):
+            quantized = "AVX-VNNI int8 (vpdpbusd)"
         return {
             "many-row bf16 products (prefill, batched decode)": products,
             "few-row products (decode, LM head)": f"kvflow small_linear, {few_rows}",
-            "GGUF Q4_0/Q4_1/Q8_0 weights (kept in their blocks unless --dequantize-weights)":
-                f"kvflow quantized_linear on int8 activation blocks, {quantized}",
+            "GGUF quantized weights (kept in their blocks unless --dequantize-weights)":
+                f"kvflow quantized_linear on int8 activation blocks, 8 rows interleaved, {quantized}",
             "paged attention": f"kvflow {'AVX-512 BF16' if self.bf16_dot_product else self.isa} kernel",
             "decode step": "a captured program, replayed in one parallel region per step (kvflow CPU executor)",
             "default CPU dtype": self.default_cpu_dtype,

@@ -238,6 +238,9 @@ const KernelTable& avx512_bf16_kernels();
 // products in AVX-512 VNNI (vpdpbusd on 256-bit vectors) where this CPU has it.
 void fill_avx512_quantized_entries(KernelTable& table);
 
+// Replaces the AVX2 table's interleaved products with AVX-VNNI ones where this CPU has it.
+void fill_avx_vnni_entries(KernelTable& table);
+
 // Each x86 feature kvflow asks about, and whether this CPU (and OS) has it; empty elsewhere.
 std::vector<std::pair<std::string, bool>> cpu_features();
 
