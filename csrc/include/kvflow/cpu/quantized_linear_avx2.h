@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kvflow/cpu/gguf_blocks.h"
+#include "kvflow/cpu/vec_avx2.h"
 
 namespace kvflow::cpu {
 namespace {
@@ -444,14 +445,15 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
   for (int64_t first = begin; first < end; first += kInterleavedRows) {
     const uint8_t* group = weight + first * row_bytes;
     const __m256 b = bias == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + first);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      __m256 sums[kRowTile];
-      const int n = int(std::min<int64_t>(kRowTile, rows - r0));
+    for (int64_t r0 = 0; r0 < rows;) {
+      __m256 sums[kRowTile + 1];
+      const int n = rows - r0 == kRowTile + 1 ? kRowTile + 1 : int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
         case 1: interleaved_group_of_avx2<F, 1, Dot>(group, x, r0, sums); break;
         case 2: interleaved_group_of_avx2<F, 2, Dot>(group, x, r0, sums); break;
         case 3: interleaved_group_of_avx2<F, 3, Dot>(group, x, r0, sums); break;
-        default: interleaved_group_of_avx2<F, 4, Dot>(group, x, r0, sums); break;
+        case 4: interleaved_group_of_avx2<F, 4, Dot>(group, x, r0, sums); break;
+        default: interleaved_group_of_avx2<F, 5, Dot>(group, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
@@ -459,11 +461,10 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
         if (out_is_float32) {
           _mm256_storeu_ps(static_cast<float*>(out) + index, y);
         } else {
-          alignas(32) float values[kInterleavedRows];
-          _mm256_store_ps(values, y);
-          for (int j = 0; j < kInterleavedRows; ++j) static_cast<bfloat16*>(out)[index + j] = from_float<bfloat16>(values[j]);
+          VecAvx2::store(static_cast<bfloat16*>(out) + index, y);
         }
       }
+      r0 += n;
     }
   }
 }
