@@ -91,9 +91,12 @@ def test_contexts_on_and_just_past_block_boundaries(device, block_size):
     run_case(device, [1, 1, 5, block_size + 1, 3], seq_lens, block_size=block_size)
 
 
-@pytest.mark.parametrize("num_q,num_kv", [(8, 8), (9, 3), (8, 2), (16, 2), (8, 1)])
-def test_gqa_ratios_and_mqa(device, num_q, num_kv):
-    run_case(device, [1, 1, 19, 6], [40, 130, 19, 70], num_q=num_q, num_kv=num_kv, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q,num_kv", [(8, 8), (9, 3), (8, 2), (10, 2), (12, 2), (16, 2), (8, 1)])
+def test_gqa_ratios_and_mqa(device, num_q, num_kv, dtype):
+    """Every group size up to 8 query heads a kv head (the CPU reads a bf16 cache in place for a
+    decode row's group, up to 4 rows at once: groups of 5 and 6 leave a remainder)."""
+    run_case(device, [1, 1, 19, 6], [40, 130, 19, 70], num_q=num_q, num_kv=num_kv, dtype=dtype)
 
 
 @pytest.mark.parametrize("window", [1, 17, 64])

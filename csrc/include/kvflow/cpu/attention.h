@@ -176,6 +176,7 @@ struct HasPairHalves<V, std::void_t<decltype(V::load_pair_halves(std::declval<co
 template <class V, typename T, int HD>
 constexpr bool kSplitPairs = std::is_same_v<T, bfloat16> && HasPairHalves<V>::value && HD % (2 * V::kWidth) == 0;
 constexpr int64_t kMaxInPlaceRows = 8;  // rows of one kv head
+constexpr int64_t kSharedKvRows = 4;         // rows of one kv head that share each K and V row read in place
 
 // widen_chunk for the split order.
 template <class V, int HD>
@@ -212,6 +213,65 @@ inline void chunk_scores_split(const float* q, const bfloat16* k, int64_t row_st
       sums[j] = s;
     }
     V::store(sc + jb, V::transpose_sum(sums));
+  }
+}
+
+// chunk_scores_split for kRows rows of one kv head at once (q: kRows rows of HD floats; sc: kRows
+// rows of 16 scores). Each K row's halves are loaded once for all of the rows; each row's sums
+// take the operations of chunk_scores_split in its order, so the bits are the same.
+template <class V, int HD, int kRows>
+inline void chunk_scores_split_rows(const float* q, const bfloat16* k, int64_t row_stride, float* sc) {
+  constexpr int W = V::kWidth;
+  for (int jb = 0; jb < kKeyChunk; jb += W) {
+    typename V::Reg sums[kRows][W];
+    for (int j = 0; j < W; ++j) {
+      const bfloat16* kj = k + (jb + j) * row_stride;
+      typename V::Reg even, odd, s[kRows];
+      V::load_pair_halves(kj, even, odd);
+      for (int r = 0; r < kRows; ++r) {
+        s[r] = V::fmadd(V::load(q + r * HD + W), odd, V::mul(V::load(q + r * HD), even));
+      }
+      for (int i = 2 * W; i < HD; i += 2 * W) {
+        V::load_pair_halves(kj + i, even, odd);
+        for (int r = 0; r < kRows; ++r) {
+          s[r] = V::fmadd(V::load(q + r * HD + i), even, s[r]);
+          s[r] = V::fmadd(V::load(q + r * HD + i + W), odd, s[r]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) sums[r][j] = s[r];
+    }
+    for (int r = 0; r < kRows; ++r) V::store(sc + r * kKeyChunk + jb, V::transpose_sum(sums[r]));
+  }
+}
+
+// The accumulators (split order) of kRows rows of one kv head through one chunk read in place:
+// acc = acc * correction + the sum over keys [j_lo, j_hi) of p[j] v[j], row by row (p: kRows rows
+// of 16). Each V row's halves are loaded once for all of the rows; each row's operations are
+// those of the one-row loop, in its order.
+template <class V, int HD, int kRows>
+inline void accumulate_split_rows(const float* p, const float* correction, const bfloat16* v, int64_t row_stride,
+                                  int j_lo, int j_hi, float* acc) {
+  constexpr int W = V::kWidth;
+  for (int i = 0; i < HD; i += 2 * W) {
+    typename V::Reg even_acc[kRows], odd_acc[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      const auto c = V::set1(correction[r]);
+      even_acc[r] = V::mul(V::load(acc + r * HD + i), c);
+      odd_acc[r] = V::mul(V::load(acc + r * HD + i + W), c);
+    }
+    for (int j = j_lo; j < j_hi; ++j) {
+      typename V::Reg even, odd;
+      V::load_pair_halves(v + j * row_stride + i, even, odd);
+      for (int r = 0; r < kRows; ++r) {
+        const auto pj = V::set1(p[r * kKeyChunk + j]);
+        even_acc[r] = V::fmadd(pj, even, even_acc[r]);
+        odd_acc[r] = V::fmadd(pj, odd, odd_acc[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      V::store(acc + r * HD + i, even_acc[r]);
+      V::store(acc + r * HD + i + W, odd_acc[r]);
+    }
   }
 }
 
@@ -279,6 +339,36 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
     const KeyRange keys = item_keys(a, it);
     const int64_t key_hi = keys.hi;
 
+    // Row r through one chunk's scores (keys [j_lo, j_hi) of its 16 count): probs = exp(scores - m),
+    // the running max and sum updated; returns the factor that rescales the row's accumulator.
+    auto softmax_chunk = [&](int64_t r, float* scores, float* probs, int j_lo, int j_hi) {
+      if (a.soft_cap > 0.f) soft_cap_scores<V>(scores, a.soft_cap);
+      const bool whole_chunk = j_lo == 0 && j_hi == kKeyChunk;
+      if (!whole_chunk) {
+        for (int j = 0; j < kKeyChunk; ++j) {
+          if (j < j_lo || j >= j_hi) scores[j] = neg_inf;
+        }
+      }
+      typename V::Reg chunk_max = V::load(scores);
+      for (int jb = W; jb < kKeyChunk; jb += W) chunk_max = V::max(chunk_max, V::load(scores + jb));
+      const float m_new = std::max(m_rows[r], V::reduce_max(chunk_max));
+      // 0 on the first chunk; 1 whenever the max holds, which is most chunks after the first few.
+      const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
+      for (int jb = 0; jb < kKeyChunk; jb += W) {
+        V::store(probs + jb, V::exp(V::sub(V::load(scores + jb), V::set1(m_new))));
+      }
+      if (!whole_chunk) {
+        for (int j = 0; j < kKeyChunk; ++j) {
+          if (j < j_lo || j >= j_hi) probs[j] = 0.f;
+        }
+      }
+      typename V::Reg chunk_sum = V::load(probs);
+      for (int jb = W; jb < kKeyChunk; jb += W) chunk_sum = V::add(chunk_sum, V::load(probs + jb));
+      l_rows[r] = l_rows[r] * correction + V::reduce_add(chunk_sum);
+      m_rows[r] = m_new;
+      return correction;
+    };
+
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += kKeyChunk) {
       // The next chunk of this item or, at its last, the first of the next item.
       const NextChunkPrefetch<T> prefetch = prefetch_ahead<T>(a, items, item_index, end, c0, key_hi, rows, 1);
@@ -307,9 +397,34 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
         int64_t lo = std::max<int64_t>(it.key_begin, c0);
         if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);
         const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
-        if (lo >= hi) continue;
         const int j_lo = int(lo - c0), j_hi = int(hi - c0);
-        const bool whole_chunk = j_lo == 0 && j_hi == kKeyChunk;
+        // One query token (decode): the kv head's rows see the same keys, and read each K and V
+        // row in place once for up to kSharedKvRows of them.
+        if constexpr (kSplitPairs<V, T, HD>) {
+          if (in_place && it.q_count == 1 && r % rows_per_kv_head == 0) {
+            for (int64_t t = r + 1; t < r + rows_per_kv_head; ++t) prefetch.issue(t);
+            auto rows_chunk = [&]<int kRows>(int64_t t) {
+              alignas(64) float sc_rows[kRows * kKeyChunk], p_rows[kRows * kKeyChunk], corrections[kRows];
+              chunk_scores_split_rows<V, HD, kRows>(&q_rows[t * HD], k_rows, kv_row_stride, sc_rows);
+              for (int i = 0; i < kRows; ++i) {
+                corrections[i] = softmax_chunk(t + i, sc_rows + i * kKeyChunk, p_rows + i * kKeyChunk, j_lo, j_hi);
+              }
+              accumulate_split_rows<V, HD, kRows>(p_rows, corrections, v_rows, kv_row_stride, j_lo, j_hi,
+                                                  &acc_rows[t * HD]);
+            };
+            for (int64_t t = r; lo < hi && t < r + rows_per_kv_head; t += kSharedKvRows) {
+              switch (std::min<int64_t>(kSharedKvRows, r + rows_per_kv_head - t)) {
+                case 1: rows_chunk.template operator()<1>(t); break;
+                case 2: rows_chunk.template operator()<2>(t); break;
+                case 3: rows_chunk.template operator()<3>(t); break;
+                default: rows_chunk.template operator()<4>(t); break;
+              }
+            }
+            r += rows_per_kv_head - 1;
+            continue;
+          }
+        }
+        if (lo >= hi) continue;
 
         // Read in place, the keys past the chunk's n rows are read too (the block holds them, whatever
         // their contents); masked to -inf here and to 0 below, they never count.
@@ -318,29 +433,7 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
         } else {
           chunk_scores<V, HD>(&q_rows[r * HD], k_chunk.data(), sc);
         }
-        if (a.soft_cap > 0.f) soft_cap_scores<V>(sc, a.soft_cap);
-        if (!whole_chunk) {
-          for (int j = 0; j < kKeyChunk; ++j) {
-            if (j < j_lo || j >= j_hi) sc[j] = neg_inf;
-          }
-        }
-        typename V::Reg chunk_max = V::load(sc);
-        for (int jb = W; jb < kKeyChunk; jb += W) chunk_max = V::max(chunk_max, V::load(sc + jb));
-        const float m_new = std::max(m_rows[r], V::reduce_max(chunk_max));
-        // 0 on the first chunk; 1 whenever the max holds, which is most chunks after the first few.
-        const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
-        for (int jb = 0; jb < kKeyChunk; jb += W) {
-          V::store(p + jb, V::exp(V::sub(V::load(sc + jb), V::set1(m_new))));
-        }
-        if (!whole_chunk) {
-          for (int j = 0; j < kKeyChunk; ++j) {
-            if (j < j_lo || j >= j_hi) p[j] = 0.f;
-          }
-        }
-        typename V::Reg chunk_sum = V::load(p);
-        for (int jb = W; jb < kKeyChunk; jb += W) chunk_sum = V::add(chunk_sum, V::load(p + jb));
-        l_rows[r] = l_rows[r] * correction + V::reduce_add(chunk_sum);
-        m_rows[r] = m_new;
+        const float correction = softmax_chunk(r, sc, p, j_lo, j_hi);
 
         float* acc_row = &acc_rows[r * HD];
         typename V::Reg acc[NV];
