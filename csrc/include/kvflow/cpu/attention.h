@@ -176,7 +176,7 @@ struct HasPairHalves<V, std::void_t<decltype(V::load_pair_halves(std::declval<co
 template <class V, typename T, int HD>
 constexpr bool kSplitPairs = std::is_same_v<T, bfloat16> && HasPairHalves<V>::value && HD % (2 * V::kWidth) == 0;
 constexpr int64_t kMaxInPlaceRows = 8;  // rows of one kv head
-constexpr int64_t kSharedKvRows = 4;         // rows of one kv head that share each K and V row read in place
+constexpr int64_t kSharedKvRows = 4;    // rows of one kv head that share each K and V row read in place
 
 // widen_chunk for the split order.
 template <class V, int HD>

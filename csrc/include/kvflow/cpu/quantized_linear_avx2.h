@@ -35,7 +35,8 @@ inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cv
 // unsigned bytes of u times the four signed bytes of s. A kernel adds products into a partial
 // sum (first, then add), widens it into 32-bit lane sums, and adds those. Here vpmaddubsw's
 // 16-bit pair sums, widened by vpmaddwd: kernels add only as many products as 16 bits hold.
-// AVX-512 VNNI's vpdpbusd sums into 32-bit lanes at once (isa_avx512_vnni.cpp).
+// vpdpbusd (AVX-512 VNNI, AVX-VNNI) sums into 32-bit lanes at once (isa_avx512_vnni.cpp,
+// isa_avx_vnni.cpp).
 struct MaddubsDot {
   static constexpr bool kSums32 = false;  // partials are 16-bit
   static __m256i first(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
