@@ -1,5 +1,5 @@
-// The interleaved quantized products with AVX-512 VNNI's byte products (isa_avx512_vnni.cpp), on
-// any AVX2 CPU: vpdpbusd is replaced by its definition (per 32-bit lane, four products of an
+// The interleaved quantized products with vpdpbusd's byte products (isa_avx512_vnni.cpp,
+// isa_avx_vnni.cpp), on any AVX2 CPU: the instruction is replaced by its definition (per 32-bit lane, four products of an
 // unsigned and a signed byte added to the lane), written as a plain loop, so that the kernels'
 // 32-bit partial sums are checked against the float64 products of the dequantized blocks here,
 // not only on a CPU with the instruction (where the Python suite runs the real one). The AVX2
