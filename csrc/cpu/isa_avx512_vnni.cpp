@@ -33,12 +33,9 @@ bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni") && __bu
 namespace kvflow::cpu {
 namespace {
 
-// quantized_linear_avx2.h's byte-product policy in one instruction; its sums are 32-bit.
-struct VnniDot {
-  static constexpr bool kSums32 = true;
-  static __m256i first(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
-  static __m256i add(__m256i partial, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(partial, u, s); }
-  static __m256i widen(__m256i partial) { return partial; }
+// AVX-512 VNNI's vpdpbusd on 256-bit vectors (EVEX).
+struct Avx512Vpdpbusd {
+  static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 };
 
 }  // namespace
@@ -55,7 +52,7 @@ void fill_avx512_quantized_entries(KernelTable& table) {
     table.quantized_linear_interleaved[base] = avx2.quantized_linear_interleaved[base];
   }
   if (cpu_has_avx512_vnni()) {
-    fill_interleaved_entries<VnniDot>(table, std::make_integer_sequence<int, kNumQuantFormats>{});
+    fill_interleaved_entries<DpbusdDot<Avx512Vpdpbusd>>(table, std::make_integer_sequence<int, kNumQuantFormats>{});
   }
 }
 

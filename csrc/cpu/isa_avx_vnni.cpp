@@ -24,19 +24,16 @@
 namespace kvflow::cpu {
 namespace {
 
-// quantized_linear_avx2.h's byte-product policy in one instruction; its sums are 32-bit.
-struct AvxVnniDot {
-  static constexpr bool kSums32 = true;
-  static __m256i first(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-  static __m256i add(__m256i partial, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(partial, u, s); }
-  static __m256i widen(__m256i partial) { return partial; }
+// AVX-VNNI's vpdpbusd (VEX).
+struct AvxVpdpbusd {
+  static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 };
 
 }  // namespace
 
 void fill_avx_vnni_entries(KernelTable& table) {
   if (__builtin_cpu_supports("avxvnni")) {
-    fill_interleaved_entries<AvxVnniDot>(table, std::make_integer_sequence<int, kNumQuantFormats>{});
+    fill_interleaved_entries<DpbusdDot<AvxVpdpbusd>>(table, std::make_integer_sequence<int, kNumQuantFormats>{});
   }
 }
 

@@ -1,9 +1,9 @@
 // The interleaved quantized products with vpdpbusd's byte products (isa_avx512_vnni.cpp,
-// isa_avx_vnni.cpp), on any AVX2 CPU: the instruction is replaced by its definition (per 32-bit lane, four products of an
-// unsigned and a signed byte added to the lane), written as a plain loop, so that the kernels'
-// 32-bit partial sums are checked against the float64 products of the dequantized blocks here,
-// not only on a CPU with the instruction (where the Python suite runs the real one). The AVX2
-// byte products run beside them.
+// isa_avx_vnni.cpp), on any AVX2 CPU: the same policy (DpbusdDot) with the instruction replaced
+// by its definition (per 32-bit lane, four products of an unsigned and a signed byte added to the
+// lane), written as a plain loop, so that the kernels' 32-bit partial sums are checked against
+// the float64 products of the dequantized blocks here, not only on a CPU with the instruction
+// (where the Python suite runs the real one). The AVX2 byte products run beside them.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,14 +37,14 @@ using namespace kvflow::testing;
 
 namespace {
 
-// VnniDot with vpdpbusd written out: no saturation, each lane's four products summed in 32 bits.
-struct DefinedVnniDot {
-  static constexpr bool kSums32 = true;
-  static __m256i add(__m256i partial, __m256i u, __m256i s) {
+// vpdpbusd written out from its definition: no saturation, each lane's four products summed in
+// 32 bits onto the lane.
+struct DefinedVpdpbusd {
+  static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     alignas(32) int32_t sums[8];
     alignas(32) uint8_t a[32];
     alignas(32) int8_t b[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(sums), partial);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums), acc);
     _mm256_store_si256(reinterpret_cast<__m256i*>(a), u);
     _mm256_store_si256(reinterpret_cast<__m256i*>(b), s);
     for (int lane = 0; lane < 8; ++lane) {
@@ -52,8 +52,6 @@ struct DefinedVnniDot {
     }
     return _mm256_load_si256(reinterpret_cast<const __m256i*>(sums));
   }
-  static __m256i first(__m256i u, __m256i s) { return add(_mm256_setzero_si256(), u, s); }
-  static __m256i widen(__m256i partial) { return partial; }
 };
 
 // out_features rows of format f in the interleaved layout, random codes and real float16 scales
@@ -108,7 +106,7 @@ void check_format() {
     for (auto& v : x) v = normal(gen);
     const QuantizedInput in = quantized_input(x, rows, in_features);
     const ExpectedProducts expected = expected_products(F, gguf, out_features, in, rows);
-    const int vnni = mismatches<F, DefinedVnniDot>(interleaved, row_bytes, in, rows, out_features, expected);
+    const int vnni = mismatches<F, DpbusdDot<DefinedVpdpbusd>>(interleaved, row_bytes, in, rows, out_features, expected);
     const int avx2 = mismatches<F, MaddubsDot>(interleaved, row_bytes, in, rows, out_features, expected);
     if (vnni + avx2 != 0) {
       fail(__FILE__, __LINE__,

@@ -75,12 +75,14 @@ class CpuPlatform:
             products = "kvflow packed panels, portable C++ (slow: prefer --dtype float32)"
         few_rows = {"avx512_bf16": "vdpbf16ps", "avx512": "AVX-512 FMA, bf16/fp16 widened",
                     "avx2": "AVX2 FMA, bf16/fp16 widened", "scalar": "portable C++"}[self.isa]
-        quantized = {"avx512_bf16": "AVX2 int8 (vpmaddubsw)", "avx512": "AVX2 int8 (vpmaddubsw)",
-                     "avx2": "AVX2 int8 (vpmaddubsw)", "scalar": "portable C++"}[self.isa]
-        if self.isa.startswith("avx512") and self.has("avx512_vnni"):
+        if not self.vector_kernels:
+            quantized = "portable C++"
+        elif self.isa.startswith("avx512") and self.has("avx512_vnni"):
             quantized = "AVX-512 VNNI int8 (vpdpbusd, 256-bit)"
         elif self.isa == "avx2" and self.has("avx_vnni"):
             quantized = "AVX-VNNI int8 (vpdpbusd)"
+        else:
+            quantized = "AVX2 int8 (vpmaddubsw)"
         return {
             "many-row bf16 products (prefill, batched decode)": products,
             "few-row products (decode, LM head)": f"kvflow small_linear, {few_rows}",

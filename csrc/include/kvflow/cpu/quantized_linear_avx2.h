@@ -46,6 +46,16 @@ struct MaddubsDot {
   static __m256i widen(__m256i partial) { return _mm256_madd_epi16(partial, _mm256_set1_epi16(1)); }
 };
 
+// The policy of a vpdpbusd form (Instruction::dpbusd(acc, u, s): acc plus each lane's four
+// products), whose sums are 32-bit.
+template <class Instruction>
+struct DpbusdDot {
+  static constexpr bool kSums32 = true;
+  static __m256i first(__m256i u, __m256i s) { return Instruction::dpbusd(_mm256_setzero_si256(), u, s); }
+  static __m256i add(__m256i partial, __m256i u, __m256i s) { return Instruction::dpbusd(partial, u, s); }
+  static __m256i widen(__m256i partial) { return partial; }
+};
+
 template <QuantFormat F>
 struct QuantDotAvx2 {
   static constexpr int64_t kBytes = quant_block_bytes(F), kChunks = quant_block_chunks(F);
