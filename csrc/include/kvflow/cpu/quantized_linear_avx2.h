@@ -242,7 +242,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
-  constexpr int64_t kAheadBytes = kSigned ? 4096 : 2048;  // about as many blocks ahead either way
+  constexpr int64_t kAheadBytes = kSigned ? 12288 : 6144;  // about as many blocks ahead either way
   const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
