@@ -219,6 +219,10 @@ inline __m256i lane_fifth_bits(__m256i bits, int first) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// How far ahead of its reads an interleaved kernel asks for its weight stream: far enough for a
+// one-row product to keep up with the memory of a fast machine (docs/benchmarks.md).
+constexpr int64_t kInterleavedAheadBytes = 6144;
+
 // One group of 8 weight rows in the interleaved layout (gguf_blocks.h) times input rows
 // r0 .. r0 + kRows: out[r][j] = row j of the group . input row r0 + r. Per block, each 32-byte
 // piece holds 4 codes of each of the 8 rows (row j in 32-bit lane j); a byte product (Dot)
@@ -242,7 +246,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
-  constexpr int64_t kAheadBytes = kSigned ? 12288 : 6144;  // about as many blocks ahead either way
+  constexpr int64_t kAheadBytes = (kSigned ? 2 : 1) * kInterleavedAheadBytes;  // about as many blocks ahead either way
   const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -324,7 +328,7 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
   constexpr int kPiecesPerSum = kFifthBit && !Dot::kSums32 ? 4 : 8;
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
   constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
-  constexpr int64_t kAheadBytes = 2048;
+  constexpr int64_t kAheadBytes = kInterleavedAheadBytes;
   const __m256i low4 = _mm256_set1_epi8(0xF), low6 = _mm256_set1_epi32(63);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
@@ -396,7 +400,7 @@ template <int kRows, class Dot>
 void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
   constexpr int64_t kD = 16 * kInterleavedRows, kPieces = kInterleavedRows * interleaved_header_bytes(QuantFormat::kQ6_K);
-  constexpr int64_t kAheadBytes = 2048;
+  constexpr int64_t kAheadBytes = kInterleavedAheadBytes;
   const __m256i low4 = _mm256_set1_epi8(0xF), low2 = _mm256_set1_epi8(3);
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
