@@ -264,7 +264,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
       sums[r] = k < kPiecesPerSum ? widened : _mm256_add_epi32(sums[r], widened);
     };
     // The piece loops are unrolled by pragma: left to itself, GCC kept Q4_1's rolled under vpdpbusd,
-    // its partials moving between registers at every piece (1.4x slower from 4 rows).
+    // its partials moving between registers at every piece (docs/benchmarks.md).
     if constexpr (kSigned) {
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
