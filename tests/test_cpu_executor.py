@@ -416,6 +416,19 @@ def test_quantized_layers_match_plain_pytorch(ggml_type, dtype):
     assert_matches_plain_pytorch(quantized_model(dtype, ggml_type), [5, 240, 30], dtype, QUANTIZED_TOLERANCE)
 
 
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED, GGML_Q5_K_INTERLEAVED,
+                                       GGML_Q6_K_INTERLEAVED])
+def test_replay_on_quantized_weights_at_many_rows_equals_op_by_op(ggml_type, threads):
+    """A bfloat16 decode step of 264 rows (a large batch): on AVX-512 BF16 the interleaved Q8_0,
+    Q5_K and Q6_K products go through the dequantized panels there (their rows gathered back into
+    GGUF's layout, the panels handed out in cells), Q4_1's and every product elsewhere through the
+    int8 kernel. The program's nodes give what the ops give called one by one, which
+    test_quantized_linear.py checks against float64 at these row counts."""
+    model = quantized_model(torch.bfloat16, ggml_type)
+    model.prepack_linear_weights()  # the bfloat16 LM head too, which past 8 rows a program takes packed only
+    assert_replay_equals_op_by_op(model, *decode_step(model, [(7 * i) % 50 for i in range(264)], torch.bfloat16))
+
+
 class QKNormGeluLayer(nn.Module):
     """Not a Llama layer, written in Python only on kvflow ops: separate q/k/v projections, an RMS
     norm over each head of q and k (Qwen3, OLMo 2, Gemma 3), a GELU MLP without a gate product

@@ -209,6 +209,35 @@ def test_interleaved_weights_match_dequantized_product(ggml_type, rows, blocks, 
     assert (np.abs(actual - exact) <= accumulation).all()
 
 
+@pytest.mark.parametrize("ggml_type", INTERLEAVED)
+@pytest.mark.parametrize("rows", [40, 300, 1100])
+@pytest.mark.parametrize("blocks,out_features", [(3, 24), ("model", 136)])
+def test_interleaved_weights_many_bfloat16_rows(ggml_type, rows, blocks, out_features, cpu_isa):
+    """Many bfloat16 rows on an interleaved weight: from a row count that depends on the format
+    and the instruction set (where the dequantized panels were measured faster), the rows are
+    gathered back into GGUF's layout and go through the panels, within the panels' bound of the
+    GGUF test above; below it the int8 kernel gives the product of the input as quantized, exact up
+    to float32 accumulation. The product is one of the two, whichever the instruction set chose."""
+    in_features = shape(ggml_type, blocks)
+    rng = np.random.default_rng(ggml_type * 1000 + rows * 10 + in_features)
+    weight = random_blocks(ggml_type, out_features, in_features, rng)
+    w = dequantized(weight, ggml_type)
+    x_in = torch.randn(rows, in_features, dtype=torch.float64).bfloat16()
+    bias = torch.randn(out_features, dtype=torch.float64).bfloat16()
+    x = x_in.double().numpy()
+    actual = ops.quantized_linear(x_in, interleave_rows(torch.from_numpy(weight), ggml_type), INTERLEAVED_TYPES[ggml_type],
+                                  bias=bias, out_dtype=torch.float32).double().numpy()
+    expected = x @ w.T + bias.double().numpy()
+    panels_bound = (2.0**-8 + 1e-5) * (np.abs(x) @ np.abs(w).T) + 1e-6
+    xq = quantized_input(x)
+    int8_exact = xq @ w.T + bias.double().numpy()
+    accumulation = 2e-6 * (np.abs(xq) @ np.abs(w).T) + 1e-6
+    panels_ok = (np.abs(actual - expected) <= panels_bound).all()
+    int8_ok = (np.abs(actual - int8_exact) <= accumulation).all()
+    assert panels_ok or int8_ok, (f"worst error / panels' bound {np.max(np.abs(actual - expected) / panels_bound):.3f}, "
+                                  f"/ int8 accumulation {np.max(np.abs(actual - int8_exact) / accumulation):.3f}")
+
+
 def test_interleaved_weights_are_refused_where_they_cannot_run():
     weight = torch.zeros(12, 20, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 8 rows, got 12"):

@@ -2,9 +2,10 @@
 // 32-block once, then each thread takes a contiguous part of the output features and streams its
 // weight rows, in their GGUF blocks, front to back; as a program node, the same two halves are two
 // phases, and a thread done with its part takes cells of a slower one's. Many bfloat16 rows
-// (prefill, batched decode): each thread dequantizes one panel of kPackedLinearPanel weight rows
-// at a time into packed_linear's layout, in its own scratch, and runs packed_linear's kernel on
-// it for every row, so a weight is dequantized once per call, not once per row.
+// (prefill, batched decode; for an interleaved weight, from a count per format and instruction
+// set): each thread dequantizes one panel of kPackedLinearPanel weight rows at a time into
+// packed_linear's layout, in its own scratch, and runs packed_linear's kernel on it for every
+// row, so a weight is dequantized once per call, not once per row.
 #include <ATen/Parallel.h>
 
 #include <string>
@@ -42,10 +43,10 @@ QuantizedLinearFn interleaved_kernel(const QuantizedLinearPlan& g) {
   return g.interleaved ? active_kernels().quantized_linear_interleaved[interleaved_index(QuantFormat(g.format))] : nullptr;
 }
 
-// Bytes of GGUF rows a thread gathers from an interleaved weight where the instruction set has
-// no kernel for it (multiply_rows), else 0.
+// Bytes of GGUF rows a thread gathers from an interleaved weight for the panels, or where the
+// instruction set has no kernel for it (multiply_rows), else 0.
 int64_t gather_bytes(const QuantizedLinearPlan& g) {
-  return g.interleaved && interleaved_kernel(g) == nullptr ? kPackedLinearPanel * g.row_bytes : 0;
+  return g.interleaved && (g.panels || interleaved_kernel(g) == nullptr) ? kPackedLinearPanel * g.row_bytes : 0;
 }
 
 QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
@@ -57,11 +58,12 @@ QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tens
   TORCH_CHECK(!interleaved || g.out_features % kInterleavedRows == 0, "quantized_linear: a weight of type ", ggml_type,
               " (rows interleaved in groups of ", kInterleavedRows, ") has a multiple of ", kInterleavedRows,
               " rows, got ", g.out_features);
-  // An interleaved weight's int8 kernel beats the dequantized panels at almost every row count
-  // (about 2x from 32 to 512 rows; Q6_K's, whose codes are centred, 0.9-1.4x at 64:
-  // docs/benchmarks.md), so it takes them all.
+  // An interleaved weight's int8 kernel beats the dequantized panels up to a row count that
+  // depends on the format and the instruction set (KernelTable::interleaved_panel_rows).
   // Batch-invariant mode keeps every row count on the int8 kernel, whose sums are exact.
-  const bool panels = !interleaved && !batch_invariant() && g.rows >= kPanelRows &&
+  const int64_t panel_rows =
+      interleaved ? active_kernels().interleaved_panel_rows[interleaved_index(QuantFormat(g.format))] : kPanelRows;
+  const bool panels = panel_rows > 0 && !batch_invariant() && g.rows >= panel_rows &&
                       input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
   return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
           out.scalar_type() == at::kFloat, panels, interleaved};
@@ -93,15 +95,21 @@ void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows&
   }
 }
 
-// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16).
-// (An interleaved weight never takes them: see check_quantized_linear.)
-void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Tensor& input,
-                     const uint8_t* weight, const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch) {
+// Panels [begin, end) of the product, each dequantized into scratch (panel_elems() bfloat16);
+// an interleaved weight's panel rows are gathered into GGUF's layout first (gather_bytes()).
+void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Tensor& input, const uint8_t* weight,
+                     const bfloat16* bias, int64_t begin, int64_t end, bfloat16* scratch, uint8_t* gathered) {
   const KernelTable& kernels = active_kernels();
   const int64_t element = g.out_is_float32 ? 4 : 2;
   for (int64_t p = begin; p < end; ++p) {
-    kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
     const int64_t first = p * kPackedLinearPanel;
+    if (g.interleaved) {
+      const int64_t count = std::min<int64_t>(kPackedLinearPanel, g.out_features - first);
+      gather_interleaved_rows(weight, g.row_bytes, QuantFormat(g.format), first, count, gathered);
+      kernels.dequantize_panel[g.format](gathered, g.row_bytes, count, 0, scratch);
+    } else {
+      kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
+    }
     kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
                           /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
                           input.stride(0), scratch, bias == nullptr ? nullptr : bias + first, g.rows,
@@ -188,7 +196,8 @@ class QuantizedLinearNode final : public OpNode {
     gathered_.assign(size_t(threads), std::vector<uint8_t>(size_t(gather_bytes(g))));
     if (cells_ == nullptr || cells_->parts() != threads) {
       const int64_t cell_units = g.panels ? g.num_panels() : g.out_features / unit_features();
-      cells_ = std::make_unique<ProductCells>(weight_.data_ptr(), cell_units, unit_features() * g.row_bytes, threads,
+      const int64_t unit_rows = g.panels ? kPackedLinearPanel : unit_features();
+      cells_ = std::make_unique<ProductCells>(weight_.data_ptr(), cell_units, unit_rows * g.row_bytes, threads,
                                               g.panels ? 1 : kFeaturesPerTask / unit_features(), /*tile=*/1);
     }
   }
@@ -206,18 +215,20 @@ class QuantizedLinearNode final : public OpNode {
       return;
     }
     const auto* weight = weight_.data_ptr<uint8_t>();
+    uint8_t* gathered = gathered_[size_t(turn.tid)].data();
     if (g.panels) {
       bfloat16* scratch = panel_scratch_[size_t(turn.tid)].data();
       const bfloat16* bias = bias_bfloat16_.empty() ? nullptr : bias_bfloat16_.data();
       cells_->run(
           turn.tid,
-          [&](int64_t begin, int64_t end) { multiply_panels(g, out_, input_, weight, bias, begin, end, scratch); },
+          [&](int64_t begin, int64_t end) {
+            multiply_panels(g, out_, input_, weight, bias, begin, end, scratch, gathered);
+          },
           turn.round);
       return;
     }
     const int64_t unit = unit_features();
     const float* bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
-    uint8_t* gathered = gathered_[size_t(turn.tid)].data();
     cells_->run(
         turn.tid,
         [&](int64_t begin, int64_t end) {
@@ -260,7 +271,8 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     const bfloat16* b = bias_values.empty() ? nullptr : bias_values.data();
     at::parallel_for(0, g.num_panels(), 1, [&](int64_t begin, int64_t end) {
       std::vector<bfloat16> scratch(size_t(g.panel_elems()));
-      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data());
+      std::vector<uint8_t> gathered(size_t(gather_bytes(g)));
+      multiply_panels(g, out, input, weight.data_ptr<uint8_t>(), b, begin, end, scratch.data(), gathered.data());
     });
     return;
   }

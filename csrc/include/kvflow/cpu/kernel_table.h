@@ -203,6 +203,11 @@ struct KernelTable {
   // kInterleavedRows; null where the instruction set has none (quantized_linear.cpp then
   // gathers the rows back into GGUF's layout for the entry above).
   QuantizedLinearFn quantized_linear_interleaved[kNumInterleavedFormats];  // [interleaved_index]
+  // From how many bfloat16 rows an interleaved weight's product goes through dequantized panels
+  // (its rows gathered back into GGUF's layout, dequantize_panel, packed_linear) instead of the
+  // entry above; 0: never. Where the panels win depends on the format and on the instruction set
+  // (docs/benchmarks.md).
+  int64_t interleaved_panel_rows[kNumInterleavedFormats];  // [interleaved_index]
   QuantizeActivationsFn quantize_activations[2];         // [input is bfloat16]
 };
 
