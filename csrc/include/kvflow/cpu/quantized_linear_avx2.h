@@ -243,6 +243,9 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
   constexpr int kPieces = kSigned ? 8 : 4;
   constexpr int kPiecesPerSum = Dot::kSums32 ? kPieces : kSigned || kFifthBit ? 1 : 4;
+  // With 32-bit sums and one or two input rows, the low and high nibbles' products add in two
+  // chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel back (docs/benchmarks.md).
+  constexpr bool kTwoChains = Dot::kSums32 && kRows <= 2;
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
@@ -258,6 +261,7 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
       return _mm256_set1_epi32(int32_t(block_word(xq + byte)));
     };
     __m256i partial[kRows], sums[kRows];  // a partial's sums widen into 32-bit sums every kPiecesPerSum pieces
+    __m256i partial_high[kRows];          // with kTwoChains, the high nibbles' own sums
     auto widen_at = [&](int r, int k) {
       if (k % kPiecesPerSum != kPiecesPerSum - 1) return;
       const __m256i widened = Dot::widen(partial[r]);
@@ -291,10 +295,18 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
           const __m256i x_low = input_word(r, 4 * k), x_high = input_word(r, 16 + 4 * k);
+          if constexpr (kTwoChains) {
+            partial[r] = k == 0 ? Dot::first(low, x_low) : Dot::add(partial[r], low, x_low);
+            partial_high[r] = k == 0 ? Dot::first(high, x_high) : Dot::add(partial_high[r], high, x_high);
+            continue;
+          }
           partial[r] = k % kPiecesPerSum == 0 ? Dot::first(low, x_low) : Dot::add(partial[r], low, x_low);
           partial[r] = Dot::add(partial[r], high, x_high);
           widen_at(r, k);
         }
+      }
+      if constexpr (kTwoChains) {
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], partial_high[r]);
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
