@@ -2,6 +2,7 @@
 tolerances per dtype, an ASGI app served on loopback for the HTTP tests, random GGUF weight
 blocks, and Hugging Face's tokenizer of the embedded model."""
 
+import gc
 import socket
 import threading
 import time
@@ -40,6 +41,15 @@ def smollm2_hf_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture
+def batch_invariant_mode_off_after():
+    """Turns the process-wide batch-invariant mode off after the test, once its engines are gone
+    (the mode cannot change while one lives)."""
+    yield
+    gc.collect()
+    kvflow.platform.set_batch_invariant(False)
 
 
 def _switch_isa(isa: str):

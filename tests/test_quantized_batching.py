@@ -17,15 +17,10 @@ import gc
 
 import pytest
 
-from kvflow import platform
 from test_engine import CHATS, GREEDY, PLAIN_PROMPTS, chat_ids, make_llm, run_alone
 
 
-@pytest.fixture(autouse=True)
-def _invariant_mode_off_after():
-    yield
-    gc.collect()  # the test's engine is gone, so the mode may change again
-    platform.set_batch_invariant(False)
+pytestmark = pytest.mark.usefixtures("batch_invariant_mode_off_after")
 
 
 def test_quantized_batch_gives_each_request_its_own_tokens_in_batch_invariant_mode():

@@ -37,12 +37,7 @@ CHATS = [
 ]
 PLAIN = ["The capital of Italy is", _TEXT + "\n\nIn short,"]
 
-@pytest.fixture(autouse=True)
-def _invariant_mode_off_after():
-    yield
-    import gc
-    gc.collect()  # the engines of the test are gone, so the mode may change again
-    platform.set_batch_invariant(False)
+pytestmark = pytest.mark.usefixtures("batch_invariant_mode_off_after")
 
 def make_llm(dtype: str, speculative: bool, **options) -> LLM:
     return LLM(dtype=dtype, block_size=BLOCK_SIZE, speculative_config=NGRAM if speculative else None, **options)

@@ -243,9 +243,10 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
   constexpr int kPieces = kSigned ? 8 : 4;
   constexpr int kPiecesPerSum = Dot::kSums32 ? kPieces : kSigned || kFifthBit ? 1 : 4;
-  // With 32-bit sums and one or two input rows, the low and high nibbles' products add in two
-  // chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel back (docs/benchmarks.md).
-  constexpr bool kTwoChains = Dot::kSums32 && kRows <= 2;
+  // With 32-bit sums and one or two input rows, the 4- and 5-bit formats' low and high nibbles'
+  // products add in two chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel
+  // back (docs/benchmarks.md).
+  constexpr bool kTwoChains = !kSigned && Dot::kSums32 && kRows <= 2;
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
