@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from conftest import random_blocks
+from conftest import CPU_ISAS, random_blocks
 from kvflow import ops
 from kvflow.ops.quantized import (BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_0, GGML_Q4_1, GGML_Q4_1_INTERLEAVED, GGML_Q4_K,
                                   GGML_Q5_0, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K, GGML_Q8_0, GGML_TYPE_NAMES, INTERLEAVED_TYPES, deinterleave_rows,
@@ -236,6 +236,34 @@ def test_interleaved_weights_many_bfloat16_rows(ggml_type, rows, blocks, out_fea
     int8_ok = (np.abs(actual - int8_exact) <= accumulation).all()
     assert panels_ok or int8_ok, (f"worst error / panels' bound {np.max(np.abs(actual - expected) / panels_bound):.3f}, "
                                   f"/ int8 accumulation {np.max(np.abs(actual - int8_exact) / accumulation):.3f}")
+
+
+SIMD_ISAS = [isa for isa in CPU_ISAS if isa != "scalar"]
+
+
+@pytest.mark.skipif(len(SIMD_ISAS) < 2, reason="this CPU runs one SIMD instruction set only")
+@pytest.mark.parametrize("ggml_type", INTERLEAVED)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_interleaved_int8_products_give_the_same_bits_under_every_instruction_set(ggml_type, out_dtype):
+    """The int8 kernels' sums are exact and their float steps are the same, so a machine with
+    AVX-512 and one with AVX2 only give the same logits: the AVX-512 kernels take two groups of 8
+    rows at once (136 output features: 8 pairs and a last group alone), AVX2 one."""
+    rng = np.random.default_rng(ggml_type)
+    in_features = shape(ggml_type, "model")
+    weight = interleave_rows(torch.from_numpy(random_blocks(ggml_type, 136, in_features, rng)), ggml_type)
+    bias = torch.randn(136)
+    previous = ops.cpu_isa()
+    try:
+        for rows in (1, 2, 3, 5, 9):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            outputs = {}
+            for isa in SIMD_ISAS:
+                ops.set_cpu_isa(isa)
+                outputs[isa] = ops.quantized_linear(x, weight, INTERLEAVED_TYPES[ggml_type], bias=bias, out_dtype=out_dtype)
+            for isa in SIMD_ISAS[1:]:
+                assert torch.equal(outputs[isa], outputs[SIMD_ISAS[0]]), f"{isa} against {SIMD_ISAS[0]} at {rows} rows"
+    finally:
+        ops.set_cpu_isa(previous)
 
 
 def test_interleaved_weights_are_refused_where_they_cannot_run():
