@@ -1,7 +1,7 @@
 // The interleaved GGUF block products in AVX-512 VNNI: the AVX2 kernels' structure
 // (quantized_linear_avx2.h) with vpdpbusd, which sums four byte products into each 32-bit lane in
-// one instruction where AVX2 takes vpmaddubsw, a 16-bit add and vpmaddwd. The 32-weight formats
-// take two groups of rows at a time on 512-bit vectors; the K-quants keep 256-bit ones. Headers shared with the baseline code are included before the target pragma so that
+// one instruction where AVX2 takes vpmaddubsw, a 16-bit add and vpmaddwd, on 512-bit vectors that
+// hold two groups of interleaved rows. Headers shared with the baseline code are included before the target pragma so that
 // only this file's own functions use these features.
 #include <algorithm>
 #include <cstdint>
@@ -48,6 +48,46 @@ inline __m512i lane_fifth_bits_512(__m512i bits, int first) {
   return _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(spread, bit), _mm512_set1_epi8(0x10));
 }
 
+// The same block of two consecutive groups of 8 interleaved rows, read together: the first
+// group's bytes in the low half of each vector, the second's in the high half.
+struct GroupPairBlock {
+  const uint8_t* first;
+  int64_t group_bytes;  // from the first group to the second
+
+  const uint8_t* second() const { return first + group_bytes; }
+  __m512i bytes32(int64_t offset) const {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + offset))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second() + offset)), 1);
+  }
+  __m256i bytes16(int64_t offset) const {
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first + offset))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(second() + offset)), 1);
+  }
+  __m128i bytes8(int64_t offset) const {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(first + offset)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second() + offset)));
+  }
+  __m512 halves(int64_t offset) const { return _mm512_cvtph_ps(bytes16(offset)); }  // 8 + 8 float16
+  void prefetch(int64_t ahead, int64_t bytes) const {
+    for (int64_t line = 0; line < bytes; line += 64) {
+      __builtin_prefetch(first + ahead + line, 0, 2);
+      __builtin_prefetch(second() + ahead + line, 0, 2);
+    }
+  }
+};
+
+// Codes 4 * word .. 4 * word + 3 of input row `row`'s chunk `chunk`, in every 32-bit lane.
+inline __m512i input_word_512(const QuantizedRows& x, int64_t row, int64_t chunk, int word) {
+  return _mm512_set1_epi32(int32_t(block_word(reinterpret_cast<const uint8_t*>(x.q + (row * x.blocks + chunk) * kQuantBlock) + 4 * word)));
+}
+
+// vpdpbusd's signed operand against |w| for signed codes w: the input carrying w's sign.
+inline __m512i input_with_sign(__m512i input, __m512i w) {
+  return _mm512_mask_sub_epi8(input, _mm512_movepi8_mask(w), _mm512_setzero_si512(), input);
+}
+
 // Two groups of 8 weight rows of a 32-weight format, `group` and the one after it, times input
 // rows r0 .. r0 + kRows: interleaved_group_avx2's products on 512-bit vectors, the first group's
 // rows in the low half and the second's in the high half: each instruction does twice the
@@ -69,49 +109,25 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* first_block = group + b * kGroupBlock;
-    const uint8_t* second_block = first_block + group_bytes;
-    for (int64_t line = 0; line < kGroupBlock; line += 64) {
-      __builtin_prefetch(first_block + kAheadBytes + line, 0, 2);
-      __builtin_prefetch(second_block + kAheadBytes + line, 0, 2);
-    }
-    auto both = [&](int64_t offset) {  // 32 bytes at offset in each group's block
-      return _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first_block + offset))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second_block + offset)), 1);
-    };
-    auto both_halves = [&](int64_t offset) {  // 16 bytes at offset in each group's block
-      return _mm256_inserti128_si256(
-          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first_block + offset))),
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(second_block + offset)), 1);
-    };
-    auto input_word = [&](int r, int byte) {
-      const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + b) * kQuantBlock);
-      return _mm512_set1_epi32(int32_t(block_word(xq + byte)));
-    };
+    const GroupPairBlock block{group + b * kGroupBlock, group_bytes};
+    block.prefetch(kAheadBytes, kGroupBlock);
     __m512i sums[kRows], second[kRows];  // two chains of products a row: even and odd pieces, or low and high nibbles
     if constexpr (kSigned) {
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
-        const __m512i piece = both(kFirstPiece + 32 * k);
-        const __m512i magnitude = _mm512_abs_epi8(piece);
-        const __mmask64 negative = _mm512_movepi8_mask(piece);
+        const __m512i piece = block.bytes32(kFirstPiece + 32 * k), magnitude = _mm512_abs_epi8(piece);
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          const __m512i word = input_word(r, 4 * k);
-          const __m512i signed_x = _mm512_mask_sub_epi8(word, negative, zero, word);
-          if (k % 2 == 0) {
-            sums[r] = _mm512_dpbusd_epi32(k == 0 ? zero : sums[r], magnitude, signed_x);
-          } else {
-            second[r] = _mm512_dpbusd_epi32(k == 1 ? zero : second[r], magnitude, signed_x);
-          }
+          const __m512i signed_x = input_with_sign(input_word_512(x, r0 + r, b, k), piece);
+          __m512i& chain = k % 2 == 0 ? sums[r] : second[r];
+          chain = _mm512_dpbusd_epi32(k < 2 ? zero : chain, magnitude, signed_x);
         }
       }
     } else {
-      const __m512i fifth = kFifthBit ? both(kFifthBits) : zero;
+      const __m512i fifth = kFifthBit ? block.bytes32(kFifthBits) : zero;
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
-        const __m512i piece = both(kFirstPiece + 32 * k);
+        const __m512i piece = block.bytes32(kFirstPiece + 32 * k);
         __m512i low = _mm512_and_si512(piece, low4), high = _mm512_and_si512(_mm512_srli_epi16(piece, 4), low4);
         if constexpr (kFifthBit) {
           low = _mm512_or_si512(low, lane_fifth_bits_512(fifth, 4 * k));
@@ -119,27 +135,97 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
         }
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          const __m512i x_low = input_word(r, 4 * k), x_high = input_word(r, 16 + 4 * k);
-          sums[r] = _mm512_dpbusd_epi32(k == 0 ? zero : sums[r], low, x_low);
-          second[r] = _mm512_dpbusd_epi32(k == 0 ? zero : second[r], high, x_high);
+          sums[r] = _mm512_dpbusd_epi32(k == 0 ? zero : sums[r], low, input_word_512(x, r0 + r, b, k));
+          second[r] = _mm512_dpbusd_epi32(k == 0 ? zero : second[r], high, input_word_512(x, r0 + r, b, 4 + k));
         }
       }
     }
-    for (int r = 0; r < kRows; ++r) sums[r] = _mm512_add_epi32(sums[r], second[r]);
-    const __m512 d = _mm512_cvtph_ps(both_halves(0));
-    const __m512 m = has_offset(F) ? _mm512_cvtph_ps(both_halves(16))
-                                   : _mm512_mul_ps(d, _mm512_set1_ps(kFifthBit ? -16.f : -8.f));
+    const __m512 d = block.halves(0);
+    const __m512 m = has_offset(F) ? block.halves(16) : _mm512_mul_ps(d, _mm512_set1_ps(kFifthBit ? -16.f : -8.f));
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(scale_sum[0])), acc[r]);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(scale_sum[0])), acc[r]);
       if constexpr (!kSigned) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scale_sum[1]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
 }
 
-// QuantizedLinearFn on the interleaved layout of a 32-weight format: two groups at a time on
-// 512-bit vectors, a last odd group by the 256-bit kernel.
+// Two groups of Q4_K or Q5_K rows: interleaved_k_group_avx2 on 512-bit vectors, as
+// interleaved_group_pair_avx512 does for the 32-weight formats (bit-equal to two 256-bit calls).
+template <QuantFormat F, int kRows>
+void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
+                                     __m512* out) {
+  static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
+  constexpr bool kFifthBit = F == QuantFormat::kQ5_K;
+  constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
+  constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
+  const __m512i low4 = _mm512_set1_epi8(0xF), low6 = _mm512_set1_epi32(63), zero = _mm512_setzero_si512();
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks / 8; ++b) {
+    const GroupPairBlock block{group + b * kGroupBlock, group_bytes};
+    block.prefetch(kInterleavedAheadBytes, kGroupBlock);
+    const __m512 d = block.halves(0), dmin = block.halves(16);
+    __m512i bytes[12];  // scale byte t of the 16 rows
+    for (int t = 0; t < 12; ++t) bytes[t] = _mm512_cvtepu8_epi32(block.bytes8(kScaleBytes + 8 * t));
+    __m512 scale[8], min[8];
+    for (int j = 0; j < 8; ++j) {
+      __m512i sc, m;
+      if (j < 4) {
+        sc = _mm512_and_si512(bytes[j], low6);
+        m = _mm512_and_si512(bytes[j + 4], low6);
+      } else {
+        sc = _mm512_or_si512(_mm512_and_si512(bytes[j + 4], _mm512_set1_epi32(0xF)),
+                             _mm512_slli_epi32(_mm512_srli_epi32(bytes[j - 4], 6), 4));
+        m = _mm512_or_si512(_mm512_srli_epi32(bytes[j + 4], 4), _mm512_slli_epi32(_mm512_srli_epi32(bytes[j], 6), 4));
+      }
+      scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+      min[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t chunk = 8 * b + j;
+      const int64_t pieces = kPieces + 32 * 8 * (j / 2);
+      __m512i sums[kRows], second[kRows];  // even and odd pieces
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const __m512i piece = block.bytes32(pieces + 32 * k);
+        __m512i codes = _mm512_and_si512(j % 2 == 0 ? piece : _mm512_srli_epi16(piece, 4), low4);
+        if constexpr (kFifthBit) {
+          const __m512i fifth = _mm512_srl_epi16(block.bytes32(kFifthBits + 32 * k), _mm_cvtsi32_si128(j));
+          codes = _mm512_or_si512(codes, _mm512_slli_epi16(_mm512_and_si512(fifth, _mm512_set1_epi8(1)), 4));
+        }
+        for (int r = 0; r < kRows; ++r) {
+          __m512i& chain = k % 2 == 0 ? sums[r] : second[r];
+          chain = _mm512_dpbusd_epi32(k < 2 ? zero : chain, codes, input_word_512(x, r0 + r, chunk, k));
+        }
+      }
+      // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
+      for (int r = 0; r < kRows; ++r) {
+        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[j], _mm512_set1_ps(scale_sum[0])), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(min[j], _mm512_set1_ps(scale_sum[1]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+}
+
+// The pair kernel of format F.
+template <QuantFormat F, int kRows>
+void interleaved_pair_of_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
+                                __m512* out) {
+  if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
+    interleaved_k_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
+  } else {
+    interleaved_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
+  }
+}
+
+// QuantizedLinearFn on the interleaved layout: two groups at a time on 512-bit vectors, a last
+// odd group by the 256-bit kernel.
 template <QuantFormat F>
 void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
                                          int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
@@ -154,11 +240,11 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
       __m512 sums[kRowTile + 1];
       const int n = rows - r0 == kRowTile + 1 ? kRowTile + 1 : int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_group_pair_avx512<F, 1>(group, group_bytes, x, r0, sums); break;
-        case 2: interleaved_group_pair_avx512<F, 2>(group, group_bytes, x, r0, sums); break;
-        case 3: interleaved_group_pair_avx512<F, 3>(group, group_bytes, x, r0, sums); break;
-        case 4: interleaved_group_pair_avx512<F, 4>(group, group_bytes, x, r0, sums); break;
-        default: interleaved_group_pair_avx512<F, 5>(group, group_bytes, x, r0, sums); break;
+        case 1: interleaved_pair_of_avx512<F, 1>(group, group_bytes, x, r0, sums); break;
+        case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, sums); break;
+        case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, sums); break;
+        case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, sums); break;
+        default: interleaved_pair_of_avx512<F, 5>(group, group_bytes, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m512 y = _mm512_add_ps(sums[r], b);
@@ -179,14 +265,17 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
   }
 }
 
-QuantizedLinearFn pair_kernel(QuantFormat format) {
-  switch (format) {
-    case QuantFormat::kQ4_0: return quantized_linear_interleaved_avx512<QuantFormat::kQ4_0>;
-    case QuantFormat::kQ4_1: return quantized_linear_interleaved_avx512<QuantFormat::kQ4_1>;
-    case QuantFormat::kQ5_0: return quantized_linear_interleaved_avx512<QuantFormat::kQ5_0>;
-    case QuantFormat::kQ5_1: return quantized_linear_interleaved_avx512<QuantFormat::kQ5_1>;
-    default: return quantized_linear_interleaved_avx512<QuantFormat::kQ8_0>;
-  }
+// Format F's pair kernel, but for Q6_K, which keeps the 256-bit kernel: a pair kernel for it was
+// no faster (docs/benchmarks.md).
+template <QuantFormat F>
+void set_pair_entry(KernelTable& t) {
+  if constexpr (F != QuantFormat::kQ6_K) t.quantized_linear_interleaved[interleaved_index(F)] = quantized_linear_interleaved_avx512<F>;
+}
+
+template <int... kFormats>
+void fill_pair_entries(KernelTable& t, std::integer_sequence<int, kFormats...>) {
+  fill_interleaved_entries<Avx512Dot>(t, std::integer_sequence<int, kFormats...>{});
+  (set_pair_entry<QuantFormat(kFormats)>(t), ...);
 }
 
 }  // namespace
@@ -203,11 +292,7 @@ void fill_avx512_quantized_entries(KernelTable& table) {
     table.quantized_linear_interleaved[base] = avx2.quantized_linear_interleaved[base];
   }
   if (cpu_has_avx512_vnni()) {
-    fill_interleaved_entries<Avx512Dot>(table, std::make_integer_sequence<int, kNumQuantFormats>{});
-    for (const QuantFormat format : {QuantFormat::kQ4_0, QuantFormat::kQ4_1, QuantFormat::kQ5_0, QuantFormat::kQ5_1,
-                                     QuantFormat::kQ8_0}) {
-      table.quantized_linear_interleaved[interleaved_index(format)] = pair_kernel(format);
-    }
+    fill_pair_entries(table, std::make_integer_sequence<int, kNumQuantFormats>{});
   }
 }
 
