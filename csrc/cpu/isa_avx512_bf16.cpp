@@ -48,14 +48,11 @@ KernelTable make_avx512_bf16_table() {
   table.packed_linear = packed_linear_panels<PackedLinearAvx512Bf16>;
   fill_avx512_quantized_entries(table);
   // From these row counts up an interleaved weight's product is at least 5% faster through
-  // dequantized panels and vdpbf16ps than through the int8 kernel (measured with vpdpbusd:
-  // docs/benchmarks.md); the 4-bit 32-weight formats and Q4_K never are.
+  // dequantized panels and vdpbf16ps than through the int8 kernel (measured against the 512-bit
+  // vpdpbusd kernels: docs/benchmarks.md); the other formats never are.
   auto& panel_rows = table.interleaved_panel_rows;
   panel_rows[interleaved_index(QuantFormat::kQ6_K)] = 64;
-  panel_rows[interleaved_index(QuantFormat::kQ8_0)] = 256;
-  panel_rows[interleaved_index(QuantFormat::kQ5_K)] = 256;
-  panel_rows[interleaved_index(QuantFormat::kQ5_0)] = 512;
-  panel_rows[interleaved_index(QuantFormat::kQ5_1)] = 1024;
+  panel_rows[interleaved_index(QuantFormat::kQ8_0)] = 1024;
   return table;
 }
 
