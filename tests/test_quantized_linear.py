@@ -246,8 +246,9 @@ SIMD_ISAS = [isa for isa in CPU_ISAS if isa != "scalar"]
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_interleaved_int8_products_give_the_same_bits_under_every_instruction_set(ggml_type, out_dtype):
     """The int8 kernels' sums are exact and their float steps are the same, so a machine with
-    AVX-512 and one with AVX2 only give the same logits: the AVX-512 kernels take two groups of 8
-    rows at once (136 output features: 8 pairs and a last group alone), AVX2 one."""
+    AVX-512 and one with AVX2 only give the same logits: from two input rows the AVX-512 kernels
+    take two groups of 8 weight rows at once (136 output features: 8 pairs and a last group
+    alone), AVX2 one."""
     rng = np.random.default_rng(ggml_type)
     in_features = shape(ggml_type, "model")
     weight = interleave_rows(torch.from_numpy(random_blocks(ggml_type, 136, in_features, rng)), ggml_type)

@@ -225,15 +225,18 @@ void interleaved_pair_of_avx512(const uint8_t* group, int64_t group_bytes, const
 }
 
 // QuantizedLinearFn on the interleaved layout: two groups at a time on 512-bit vectors, a last
-// odd group by the 256-bit kernel.
+// odd group by the 256-bit kernel. One input row takes the 256-bit kernel throughout: there the
+// weights come from memory, and one-row decode on the embedded model was 6% slower through the
+// pair kernels (docs/benchmarks.md).
 template <QuantFormat F>
 void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
                                          int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
                                          int64_t begin, int64_t end) {
   constexpr int kRowTile = 4, kPairRows = 2 * kInterleavedRows;
   const int64_t group_bytes = kInterleavedRows * row_bytes;
+  const int64_t pairs_end = rows == 1 ? begin : end;
   int64_t first = begin;
-  for (; first + kPairRows <= end; first += kPairRows) {
+  for (; first + kPairRows <= pairs_end; first += kPairRows) {
     const uint8_t* group = weight + first * row_bytes;
     const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + first);
     for (int64_t r0 = 0; r0 < rows;) {
