@@ -260,7 +260,8 @@ def test_interleaved_int8_products_give_the_same_bits_under_every_instruction_se
             outputs = {}
             for isa in SIMD_ISAS:
                 ops.set_cpu_isa(isa)
-                outputs[isa] = ops.quantized_linear(x, weight, INTERLEAVED_TYPES[ggml_type], bias=bias, out_dtype=out_dtype)
+                outputs[isa] = ops.quantized_linear(x, weight, INTERLEAVED_TYPES[ggml_type], bias=bias,
+                                                    out_dtype=out_dtype)
             for isa in SIMD_ISAS[1:]:
                 assert torch.equal(outputs[isa], outputs[SIMD_ISAS[0]]), f"{isa} against {SIMD_ISAS[0]} at {rows} rows"
     finally:
