@@ -242,9 +242,9 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
     const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + first);
     for (int64_t r0 = 0; r0 < rows;) {
       __m512 sums[kRowTile + 1];
+      // At least 2 rows reach here and a last 5 takes one tile, so no tile has 1 row.
       const int n = rows - r0 == kRowTile + 1 ? kRowTile + 1 : int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 1: interleaved_pair_of_avx512<F, 1>(group, group_bytes, x, r0, sums); break;
         case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, sums); break;
         case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, sums); break;
         case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, sums); break;
