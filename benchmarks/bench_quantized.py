@@ -5,7 +5,9 @@ so that the machine's drift falls on both alike; the ratios are per pair.
 - TTFT: a 128-token prompt to its first greedy token;
 - TPOT: the mean time per token over the following 127 greedy tokens (128 in all);
 - the decode floor: the bytes of the weights each engine holds (the LM head once) over the read
-  bandwidth measured right before and right after the pair (a sum over a 512 MB tensor);
+  bandwidth measured right before and right after that engine's request (a sum over a 512 MB
+  tensor); and the floor of every byte a step reads: those weights and the KV cache it attends
+  over (128 + 64 positions on average);
 - offline: 64 prompts of 128 random tokens at once, 128 tokens out each, output tokens per second
   of wall time (prefill included);
 - the resident memory a fresh process gains by loading each;
@@ -41,7 +43,7 @@ from kvflow import LLM, SamplingParams, platform
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.loader import load_model, resolve_model_path
-from timing import read_bandwidth, weights_read_per_token, write_markdown
+from timing import kv_read_per_token, read_bandwidth, weights_read_per_token, write_markdown
 
 _RSS_PROBE = """
 import sys, torch
@@ -128,6 +130,7 @@ def measure(args) -> None:
                             dequantize_weights=dequantize)
     weight_bytes = {name: weights_read_per_token(llm.engine.runner.model)
                     for name, llm in engines.items()}
+    kv_bytes = {name: kv_read_per_token(llm, 128, 128) for name, llm in engines.items()}
     rng = random.Random(0)
     vocab = engines["quantized"].engine.model_config.vocab_size
     ids = [rng.randrange(100, vocab) for _ in range(128)]
@@ -139,14 +142,17 @@ def measure(args) -> None:
 
     rows = []
     for round_ in range(args.rounds):
-        before = read_bandwidth("cpu")
-        figures = {name: one_request(llm, ids, 128) for name, llm in engines.items()}
-        bandwidth = (before + read_bandwidth("cpu")) / 2
+        figures, bandwidth = {}, {}
+        for name, llm in engines.items():  # the bandwidth around each request: it drifts in seconds
+            before = read_bandwidth("cpu")
+            figures[name] = one_request(llm, ids, 128)
+            bandwidth[name] = (before + read_bandwidth("cpu")) / 2
         throughput = {name: offline(llm, prompts, 128) if prompts else float("nan") for name, llm in engines.items()}
-        row = {"round": round_ + 1, "bandwidth": bandwidth}
+        row = {"round": round_ + 1, "bandwidth": bandwidth["quantized"]}
         for name in engines:
-            floor = weight_bytes[name] / (bandwidth * 1e9)
-            row[name] = {"ttft": figures[name][0], "tpot": figures[name][1], "floor": floor,
+            row[name] = {"ttft": figures[name][0], "tpot": figures[name][1],
+                         "floor": weight_bytes[name] / (bandwidth[name] * 1e9),
+                         "floor_kv": (weight_bytes[name] + kv_bytes[name]) / (bandwidth[name] * 1e9),
                          "offline": throughput[name]}
         rows.append(row)
         print(row, flush=True)
@@ -158,22 +164,25 @@ def measure(args) -> None:
         f"{cpu.model} ({cpu.isa} kernels), {torch.get_num_threads()} threads, torch {torch.__version__}",
         "",
         "| round | GB/s | quantized TTFT (ms) | bf16 TTFT (ms) | TTFT ratio | quantized TPOT (ms) | bf16 TPOT (ms) "
-        "| TPOT ratio | quantized / its floor | bf16 / its floor | quantized offline tok/s | bf16 offline tok/s "
-        "| offline ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT ratio | quantized / its floor | with KV | bf16 / its floor | quantized offline tok/s "
+        "| bf16 offline tok/s | offline ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         q, b = row["quantized"], row["bf16"]
         lines.append(f"| {row['round']} | {row['bandwidth']:.1f} | {q['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | "
                      f"{q['ttft'] / b['ttft']:.2f} | {q['tpot'] * 1e3:.2f} | {b['tpot'] * 1e3:.2f} | "
-                     f"{q['tpot'] / b['tpot']:.2f} | {q['tpot'] / q['floor']:.2f} | {b['tpot'] / b['floor']:.2f} | "
+                     f"{q['tpot'] / b['tpot']:.2f} | {q['tpot'] / q['floor']:.2f} | {q['tpot'] / q['floor_kv']:.2f} | "
+                     f"{b['tpot'] / b['floor']:.2f} | "
                      f"{q['offline']:.0f} | {b['offline']:.0f} | {q['offline'] / b['offline']:.2f} |")
 
     summary = {key: statistics.median(row["quantized"][key] / row["bf16"][key] for row in rows)
                for key in ("ttft", "tpot", "offline")}
     floor_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor"] for row in rows)
+    floor_kv_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor_kv"] for row in rows)
     lines += ["", f"medians: quantized / bf16 TTFT {summary['ttft']:.2f}x, TPOT {summary['tpot']:.2f}x, offline "
-                  f"throughput {summary['offline']:.2f}x; quantized TPOT {floor_ratio:.2f}x its bytes floor"]
+                  f"throughput {summary['offline']:.2f}x; quantized TPOT {floor_ratio:.2f}x its weights' floor, "
+                  f"{floor_kv_ratio:.2f}x with the KV cache read ({kv_bytes['quantized'] / 1e6:.1f} MB a step)"]
     lines += ["", "| weights | weights read per token (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
     for name, dequantize in (("quantized", False), ("bf16", True)):
         lines.append(f"| {name} | {weight_bytes[name] / 1e6:.1f} | {loaded_rss(args.model, dequantize) / 1e6:.1f} |")

@@ -1,6 +1,6 @@
 """What every benchmark here shares: the one timing rule (warm up, then the median of several
 runs, synchronising around each run on CUDA), the machine's read bandwidth, the bytes of weights
-a decode step reads, and the --markdown copy of a report."""
+and of KV cache a decode step reads, and the --markdown copy of a report."""
 
 import statistics
 import time
@@ -42,6 +42,19 @@ def weights_read_per_token(model) -> int:
         if "weight" in module._parameters and module.weight is None and packed is not None:
             total += packed.data.nbytes
     return total
+
+
+def kv_read_per_token(llm, prompt_tokens: int, new_tokens: int) -> int:
+    """The bytes of K and V a greedy decode step reads, averaged over the steps TPOT covers (the
+    2nd to the new_tokens-th output token of a prompt_tokens prompt): a step attends over every
+    position before it and its own, in every layer's cache. Models with a sliding window read
+    less; the benchmarks that count this run models without one, and refuse others."""
+    config = llm.engine.model_config
+    if config.sliding_window or config.layer_sliding_windows:
+        raise ValueError("kv_read_per_token counts whole contexts; this model has a sliding window")
+    per_position = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in llm.engine.runner.kv_caches)
+    contexts = [prompt_tokens + i for i in range(1, new_tokens)]
+    return round(per_position * statistics.mean(contexts))
 
 
 def write_markdown(path: str | None, lines: list[str]) -> None:
