@@ -2,6 +2,8 @@
 executor's parallel region (every kernel of the forward, embedding through the LM head), the rest
 of ModelRunner.execute around it (metadata, static buffers, the sampler), and the engine's own
 work (scheduling, detokenizing, stop checks). Medians over the decode steps of a few requests.
+Then the region by op, over as many requests again with the executor's op timing on: each op
+phase's running time and its threads' wait at the barrier before it, per step.
 
     python benchmarks/bench_step_overhead.py [--requests 4] [--tokens 128]
 
@@ -13,6 +15,8 @@ import argparse
 import random
 import statistics
 import time
+
+import torch
 
 from kvflow import LLM, SamplingParams, _C
 
@@ -62,6 +66,35 @@ def main() -> None:
     print(f"  engine step {1e3 * step:.3f}   ModelRunner.execute {1e3 * execute:.3f}   region {1e3 * region:.3f}")
     print(f"  around the region: in execute {1e3 * (execute - region):.3f}, in the engine step "
           f"{1e3 * (step - execute):.3f}, together {1e3 * around:.3f}")
+    if hasattr(_C, "executor_op_times"):
+        print_op_times(llm, rng, vocab, params, args.requests)
+
+
+def print_op_times(llm: LLM, rng: random.Random, vocab: int, params: SamplingParams, requests: int) -> None:
+    """The region by op phase, per decode step: microseconds running and waiting, summed over the
+    threads (a phase split among the threads counts each thread's part), and the share of the
+    region's thread time. Prefill runs op by op, outside these figures."""
+    steps_before, _, threads_before = _C.executor_region_stats()[:3]
+    before = {(op, phase): (runs, run, wait) for op, phase, runs, run, wait in _C.executor_op_times()}
+    _C.set_executor_op_timing(True)
+    try:
+        for _ in range(requests):
+            llm.generate([[rng.randrange(100, vocab - 100) for _ in range(128)]], params, use_tqdm=False)
+    finally:
+        _C.set_executor_op_timing(False)
+    steps_after, _, threads_after = _C.executor_region_stats()[:3]
+    steps, thread_seconds = steps_after - steps_before, threads_after - threads_before
+    rows = []
+    for op, phase, runs, run, wait in _C.executor_op_times():
+        runs0, run0, wait0 = before.get((op, phase), (0, 0.0, 0.0))
+        if runs > runs0:
+            rows.append((f"{op} [{phase}]", (runs - runs0) / steps, (run - run0) / steps, (wait - wait0) / steps))
+    print(f"\nthe region by op, {steps} steps with op timing on, per step (thread-microseconds, summed over "
+          f"{torch.get_num_threads()} threads; region {1e6 * thread_seconds / steps:.0f}):")
+    print(f"  {'op [phase]':32} {'calls':>6} {'running':>9} {'waiting':>9} {'share':>6}")
+    for name, calls, run, wait in sorted(rows, key=lambda row: -(row[2] + row[3])):
+        share = (run + wait) / (thread_seconds / steps)
+        print(f"  {name:32} {calls:6.0f} {1e6 * run:9.1f} {1e6 * wait:9.1f} {share:6.1%}")
 
 
 if __name__ == "__main__":

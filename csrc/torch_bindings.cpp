@@ -163,6 +163,19 @@ PYBIND11_MODULE(_C, m) {
       },
       "(replays, wall seconds, thread-seconds, thread-seconds waiting at barriers, seconds preparing before the "
       "region) of every CPU program replay with two or more threads so far in this process.");
+  m.def("set_executor_op_timing", &kvflow::cpu::set_executor_op_timing, py::arg("on"),
+        "Switches the CPU programs' per-op timing on or off (off at start: it reads the clock twice a phase).");
+  m.def(
+      "executor_op_times",
+      [] {
+        py::list times;
+        for (const kvflow::cpu::OpTime& t : kvflow::cpu::executor_op_times()) {
+          times.append(py::make_tuple(t.op, t.phase, t.runs, t.run_thread_seconds, t.wait_thread_seconds));
+        }
+        return times;
+      },
+      "[(op, phase, runs, thread-seconds running, thread-seconds waiting at the barrier before it)] of every CPU "
+      "program replay while op timing was on, each phase of each op summed over programs, replays and threads.");
 
   // A captured model step on the CPU (cpu/executor.h); kvflow.engine.cpu_programs builds them.
   using kvflow::cpu::CpuProgram;

@@ -1,6 +1,7 @@
 """The engine steps on one thread while another process takes a core, and returns to all of its
 threads afterwards (kvflow.engine.cpu_threads), judged from the decode region's barrier waits."""
 
+import time
 import types
 
 import torch
@@ -73,3 +74,37 @@ def test_decode_region_counts_its_steps_and_waits():
     assert steps >= 5  # every decode step of one request runs in the region
     assert 0 < wall and wall * 1.5 <= busy <= wall * torch.get_num_threads() * 1.01 + 1e-3
     assert 0 <= waited < busy
+
+
+def test_op_timing_splits_the_decode_steps_by_op_and_stops_when_switched_off():
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)
+    llm = kvflow.LLM(kv_cache_memory=1 << 24, max_model_len=256)
+    params = kvflow.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(["Hello"], params, use_tqdm=False)  # programs captured with timing off
+    before = {(op, phase): (runs, run, wait) for op, phase, runs, run, wait in kvflow._C.executor_op_times()}
+    kvflow._C.set_executor_op_timing(True)
+    try:
+        start = time.perf_counter()
+        llm.generate(["Hello"], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    finally:
+        kvflow._C.set_executor_op_timing(False)
+    after = kvflow._C.executor_op_times()
+    delta = {}
+    for op, phase, runs, run, wait in after:
+        runs0, run0, wait0 = before.get((op, phase), (0, 0.0, 0.0))
+        if runs > runs0:
+            delta[op, phase] = (runs - runs0, run - run0, wait - wait0)
+    layers = llm.engine.model_config.num_layers
+    attention_runs = delta["paged_attention", 0][0]
+    assert attention_runs % layers == 0 and attention_runs >= 5 * layers  # every layer of every decode step
+    assert delta["reshape_and_cache", 0][0] == attention_runs
+    products = [v for (op, _), v in delta.items() if op in ("quantized_linear", "small_linear", "packed_linear")]
+    assert products and all(run > 0 for _, run, _ in products)
+    assert all(run >= 0 and wait >= 0 for _, run, wait in delta.values())
+    # What the threads spent, by op, cannot exceed what they had: the wall time of the request.
+    assert 0 < sum(run + wait for _, run, wait in delta.values()) <= wall * torch.get_num_threads()
+
+    llm.generate(["Hello"], params, use_tqdm=False)
+    assert kvflow._C.executor_op_times() == after  # off: nothing more counted

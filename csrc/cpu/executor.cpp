@@ -4,10 +4,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -23,6 +27,25 @@ namespace {
 constexpr int64_t kAheadBytes = 32 << 10;
 
 std::atomic<int64_t> region_steps{0}, region_wall_ns{0}, region_thread_ns{0}, region_wait_ns{0}, prepare_ns{0};
+
+// Op timing: one slot per (op, phase), the same across programs; each thread adds its replay's
+// times once, after its walk.
+struct OpTimeSlot {
+  std::string op;
+  int phase;
+  int64_t runs = 0, run_ns = 0, wait_ns = 0;
+};
+std::atomic<bool> op_timing{false};
+std::mutex op_times_mutex;
+std::vector<OpTimeSlot> op_time_slots;
+std::map<std::pair<std::string, int>, int64_t> op_time_index;
+
+int64_t op_time_slot(const std::string& op, int phase) {
+  std::lock_guard<std::mutex> lock(op_times_mutex);
+  const auto [found, added] = op_time_index.try_emplace({op, phase}, int64_t(op_time_slots.size()));
+  if (added) op_time_slots.push_back({op, phase});
+  return found->second;
+}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -81,6 +104,7 @@ void CpuProgram::add(NodeArgs args) {
   const auto found = factories.find(args.op);
   TORCH_CHECK(found != factories.end(), "the CPU executor has no node for the op kvflow::", args.op);
   nodes_.push_back(found->second(args));
+  ops_.push_back(args.op);
 }
 
 bool CpuProgram::starts_shared(size_t i) const {
@@ -91,11 +115,12 @@ bool CpuProgram::starts_shared(size_t i) const {
 void CpuProgram::configure(const void* kernels, int64_t threads) {
   step_nodes_.clear();
   schedule_.clear();
-  for (auto& node : nodes_) {
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    OpNode* node = nodes_[i].get();
     node->configure(threads);
-    if (node->reads_step()) step_nodes_.push_back(node.get());
+    if (node->reads_step()) step_nodes_.push_back(node);
     for (int phase = 0; phase < node->phases(); ++phase) {
-      schedule_.push_back({node.get(), phase, node->units(phase), node->phase_may_skip(phase)});
+      schedule_.push_back({node, phase, node->units(phase), node->phase_may_skip(phase), op_time_slot(ops_[i], phase)});
     }
   }
   configured_kernels_ = kernels;
@@ -118,21 +143,37 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
 
   // Every thread walks the same schedule and makes the same decisions: a barrier before a phase
   // unless it and the phase before it are row-local over the same units.
+  const bool timed = op_timing.load(std::memory_order_relaxed);
   auto walk = [&](int64_t tid, int64_t team, SpinBarrier* barrier, int64_t& waited) {
     const Turn turn{tid, team, round};
     int64_t previous = kShared;
     bool first = true;
-    for (const Entry& entry : schedule_) {
+    std::vector<std::array<int64_t, 3>> times(timed ? schedule_.size() : 0);  // (ran, run ns, wait ns)
+    for (size_t i = 0; i < schedule_.size(); ++i) {
+      const Entry& entry = schedule_[i];
       if (entry.may_skip && !entry.node->phase_active(entry.phase)) continue;
       const bool follows_same_rows = previous != kShared && entry.units == previous;
       if (barrier != nullptr && !first && !follows_same_rows) {
         const int64_t wait_start = now_ns();
         barrier->wait(team, entry.node->first_read(entry.phase, tid), kAheadBytes);
-        waited += now_ns() - wait_start;
+        const int64_t wait = now_ns() - wait_start;
+        waited += wait;
+        if (timed) times[i][2] = wait;
       }
+      const int64_t run_start = timed ? now_ns() : 0;
       entry.node->run(entry.phase, turn);
+      if (timed) times[i] = {1, now_ns() - run_start, times[i][2]};
       previous = entry.units;
       first = false;
+    }
+    if (timed) {
+      std::lock_guard<std::mutex> lock(op_times_mutex);
+      for (size_t i = 0; i < schedule_.size(); ++i) {
+        OpTimeSlot& slot = op_time_slots[size_t(schedule_[i].timing_slot)];
+        if (tid == 0) slot.runs += times[i][0];
+        slot.run_ns += times[i][1];
+        slot.wait_ns += times[i][2];
+      }
     }
   };
 #ifdef _OPENMP
@@ -157,6 +198,17 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
     walk(0, 1, nullptr, unused);
   }
   for (OpNode* node : step_nodes_) node->finish();
+}
+
+void set_executor_op_timing(bool on) { op_timing.store(on, std::memory_order_relaxed); }
+
+std::vector<OpTime> executor_op_times() {
+  std::lock_guard<std::mutex> lock(op_times_mutex);
+  std::vector<OpTime> times;
+  for (const OpTimeSlot& slot : op_time_slots) {
+    if (slot.runs > 0) times.push_back({slot.op, slot.phase, slot.runs, slot.run_ns * 1e-9, slot.wait_ns * 1e-9});
+  }
+  return times;
 }
 
 RegionStats executor_region_stats() {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "op_node.h"
@@ -38,11 +39,13 @@ class CpuProgram {
     int phase;
     int64_t units;
     bool may_skip;
+    int64_t timing_slot;  // the (op, phase) it counts under while op timing is on
   };
 
   void configure(const void* kernels, int64_t threads);
 
   std::vector<std::unique_ptr<OpNode>> nodes_;
+  std::vector<std::string> ops_;  // each node's op
   // Set by configure: the kernels and thread count the nodes are configured for, the nodes that
   // read the step, and every phase in order.
   const void* configured_kernels_ = nullptr;
@@ -67,5 +70,18 @@ struct RegionStats {
   double prepare_seconds;
 };
 RegionStats executor_region_stats();
+
+// Where replays spend their threads' time, by op: off until switched on (two clock reads a
+// phase and thread); summed over every replay since, of any thread count. A phase's wait is the
+// time its threads spent at the barrier before it, for the phases before it to end.
+struct OpTime {
+  std::string op;
+  int phase;
+  int64_t runs;                // replays that ran the phase (skipped ones do not count)
+  double run_thread_seconds;   // summed over the threads
+  double wait_thread_seconds;  // at the barrier before it, summed over the threads
+};
+void set_executor_op_timing(bool on);
+std::vector<OpTime> executor_op_times();
 
 }  // namespace kvflow::cpu
