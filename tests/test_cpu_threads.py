@@ -1,5 +1,6 @@
 """The engine steps on one thread while another process takes a core, and returns to all of its
-threads afterwards (kvflow.engine.cpu_threads), judged from the decode region's barrier waits."""
+threads afterwards (kvflow.engine.cpu_threads), judged from the decode region's barrier waits;
+and the region's own accounts of its time, in all and by op."""
 
 import time
 import types
