@@ -65,7 +65,7 @@ inline int32_t load_pair(const bfloat16* p) {
   return v;
 }
 
-constexpr int64_t kPrefetchAhead = 2;
+constexpr int64_t kPrefetchAhead = 1;
 
 template <int HD>
 void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin,
@@ -128,13 +128,14 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
     const int64_t key_hi = keys.hi;
 
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += 16) {
-      // The chunk kPrefetchAhead chunks on, in this item or, near its end, in the next one (items
-      // are handed out several at a time, see paged_attention, so that the next one's first
-      // chunks are not a cold start). One chunk ahead left the last rows' prefetches in flight
-      // when the next chunk began (batch 64 x 208 keys from memory: 0.45 ms a layer against
-      // 0.42; offline engine 596-603 against 605-610 tokens/s).
+      // The next chunk, in this item or, at its last, the first of the next one (items are handed
+      // out several at a time, see paged_attention, so that the next one's first chunk is not a
+      // cold start); and at an item's first chunk, that chunk's rows of every kv head at once,
+      // rather than one kv head's as each is packed. Two chunks ahead, as before, cost
+      // one-request decode more time in attention, and batched decode none (docs/benchmarks.md).
       const NextChunkPrefetch<bfloat16> prefetch =
           prefetch_ahead<bfloat16>(a, items, item_index, end, c0, key_hi, rows, kPrefetchAhead);
+      if (c0 == keys.first_chunk) NextChunkPrefetch<bfloat16>(a, block_table, c0, key_hi, 1).issue(0);
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
       for (int64_t r = 0; r < rows; ++r) {
