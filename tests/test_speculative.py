@@ -17,6 +17,7 @@ from kvflow import LLM, SamplingParams, platform
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.model_runner import ModelRunner
 from kvflow.engine.speculative_config import SpeculativeConfig
+from kvflow.engine.speculator import FIRST_PAUSE_STEPS, SpeculationGate
 
 BLOCK_SIZE = 16
 # Drafts at every batch size here (the CPU default stops them above 2 requests), so that
@@ -219,6 +220,36 @@ def test_drafts_stop_above_disable_by_batch_size():
     outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths], use_tqdm=False)
     assert outputs[0].metrics.num_draft_tokens == 0
     assert all(out.metrics.num_draft_tokens > 0 for out in outputs[1:])
+
+
+def test_draft_length_doubles_while_accepted_falls_after_a_rejection_and_pauses_on_failure():
+    gate = SpeculationGate()
+    assert gate.open() and gate.draft_limit(8) == 2
+    gate.record(2, 2)
+    assert gate.draft_limit(8) == 4
+    gate.record(4, 4)
+    assert gate.draft_limit(8) == 8 and gate.draft_limit(5) == 5
+    gate.record(8, 3)
+    assert gate.draft_limit(8) == 4
+    gate.record(4, 0)
+    assert gate.draft_limit(8) == 1
+    failures = 0
+    while gate.open():
+        gate.record(1, 0)
+        failures += 1
+    assert 1 <= failures <= 4  # the moving average fell below half a draft: paused
+    assert [gate.open() for _ in range(FIRST_PAUSE_STEPS)] == [False] * (FIRST_PAUSE_STEPS - 1) + [True]
+
+
+def test_a_copied_span_is_verified_in_drafts_longer_than_four():
+    """num_speculative_tokens 8 on a request that repeats its prompt: once its drafts are all
+    accepted, verifications carry more than four of them, and accept them."""
+    config = dict(NGRAM, num_speculative_tokens=8)
+    llm = LLM(dtype="float32", block_size=BLOCK_SIZE, speculative_config=config)
+    out = llm.generate(prompts_of(llm)[:1], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0]
+    per_position = llm.engine.speculator.stats()["accepted_per_position"]
+    assert len(per_position) == 8 and sum(per_position[4:]) > 0, per_position
+    assert out.metrics.mean_accepted_length > 4, out.metrics
 
 
 def test_draft_model_quantized_drafts_for_dequantized_target():

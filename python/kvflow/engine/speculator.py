@@ -2,7 +2,6 @@
 that are decoding; after it, the tallies of what was accepted, per request and engine-wide, and
 the gate that turns speculation down for a request whose drafts keep failing."""
 
-import math
 
 from kvflow.engine.ngram_proposer import NgramProposer
 from kvflow.engine.sequence import Sequence
@@ -15,20 +14,25 @@ MIN_MEAN_ACCEPTED = 0.5
 ACCEPTANCE_SMOOTHING = 0.3  # weight of the newest verification in the moving average
 FIRST_PAUSE_STEPS = 4       # steps without drafts after the average first falls below; doubles each time
 MAX_PAUSE_STEPS = 256
+FIRST_DRAFT_LENGTH = 2
 
 
 class SpeculationGate:
-    """One sequence's moving average of accepted drafts per verification, and its pause."""
+    """One sequence's draft length and pause. The length doubles while every draft is accepted
+    (a copied span tends to go on) and falls to one past the accepted run when a draft is
+    rejected (where acceptance tends to end): every draft row costs compute. A moving average of
+    the drafts accepted per verification pauses speculation for a request whose drafts keep
+    failing."""
 
     def __init__(self):
+        self.length = FIRST_DRAFT_LENGTH
         self.mean_accepted = 1.0  # optimistic: a request starts speculating
         self.paused_steps = 0
         self.next_pause = FIRST_PAUSE_STEPS
 
     def draft_limit(self, k: int) -> int:
-        """Drafts worth proposing: one past the recent mean accepted, at most k (every draft row
-        costs compute, and one past the usual run is where acceptance tends to end)."""
-        return max(1, min(k, math.ceil(self.mean_accepted) + 1))
+        """Drafts worth proposing, at most k."""
+        return max(1, min(k, self.length))
 
     def open(self) -> bool:
         if self.paused_steps > 0:
@@ -36,7 +40,8 @@ class SpeculationGate:
             return False
         return True
 
-    def record(self, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int) -> None:
+        self.length = 2 * max(drafted, 1) if accepted == drafted else accepted + 1
         self.mean_accepted += ACCEPTANCE_SMOOTHING * (accepted - self.mean_accepted)
         if self.mean_accepted < MIN_MEAN_ACCEPTED:
             self.paused_steps = self.next_pause
@@ -111,7 +116,7 @@ class Speculator:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
         if seq.speculation is not None:
-            seq.speculation.record(accepted)
+            seq.speculation.record(drafted, accepted)
 
     def stats(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
