@@ -4,6 +4,7 @@ blocks, and Hugging Face's tokenizer of the embedded model."""
 
 import gc
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -48,11 +49,23 @@ def batch_invariant_mode_off_after():
     """Turns the process-wide batch-invariant mode off after the test, once its engines are gone
     (the mode cannot change while one lives)."""
     yield
+    _forget_last_failure()
     gc.collect()
     kvflow.platform.set_batch_invariant(False)
 
 
+def _forget_last_failure():
+    """Drops the last failed test's traceback, which pytest keeps in sys.last_* for post-mortem
+    debugging: it holds the test's frames and any engine in them, and the instruction set and
+    batch-invariant mode cannot change while an engine lives, so one failure beside an engine
+    would otherwise fail every later test that switches them."""
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+
+
 def _switch_isa(isa: str):
+    _forget_last_failure()
     previous = kvflow.ops.cpu_isa()
     kvflow.ops.set_cpu_isa(isa)
     return previous
