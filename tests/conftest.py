@@ -44,17 +44,31 @@ def smollm2_hf_tokenizer():
     return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_GGUF)
 
 
+@pytest.fixture(autouse=True)
+def batch_invariant_mode_off_once_its_engines_are_gone():
+    """Batch-invariant mode is process-wide and set by the engine that asks for it: each test
+    starts with it off unless an engine that turned it on still lives (a module's shared engine
+    is gone by the next module's first test)."""
+    if kvflow.platform.batch_invariant():
+        forget_last_failure()
+        try:
+            kvflow.platform.set_batch_invariant(False)
+        except ValueError:
+            pass  # an engine of this module runs in the mode
+    yield
+
+
 @pytest.fixture
 def batch_invariant_mode_off_after():
     """Turns the process-wide batch-invariant mode off after the test, once its engines are gone
     (the mode cannot change while one lives)."""
     yield
-    _forget_last_failure()
+    forget_last_failure()
     gc.collect()
     kvflow.platform.set_batch_invariant(False)
 
 
-def _forget_last_failure():
+def forget_last_failure():
     """Drops the last failed test's traceback, which pytest keeps in sys.last_* for post-mortem
     debugging: it holds the test's frames and any engine in them, and the instruction set and
     batch-invariant mode cannot change while an engine lives, so one failure beside an engine
@@ -65,7 +79,7 @@ def _forget_last_failure():
 
 
 def _switch_isa(isa: str):
-    _forget_last_failure()
+    forget_last_failure()
     previous = kvflow.ops.cpu_isa()
     kvflow.ops.set_cpu_isa(isa)
     return previous
