@@ -65,6 +65,7 @@ def main() -> None:
         at_concurrency(llm, prompts["grounded"][:2] + prompts["free"][:2], params, 16)
     results = {name: [] for name, _, _ in workloads} | {"offline, 64 requests": []}
     agree = {"same": 0, "total": 0}
+    per_prompt = {}  # grounded prompt index -> [(its TPOT ratio, share of its tokens from accepted drafts)] by round
     for round_index in range(args.rounds):
         for name, batch, concurrency in workloads:
             got = {}
@@ -82,6 +83,11 @@ def main() -> None:
                 agree["same"] += a.outputs[0].token_ids == b.outputs[0].token_ids
                 agree["total"] += 1
             results[name].append(ratio)
+            if name == "grounded, concurrency 1":
+                for i, (a, b) in enumerate(zip(got["plain"][1], got["ngram"][1])):
+                    if len(a.outputs[0].token_ids) > 1 and len(b.outputs[0].token_ids) > 1:
+                        copied = b.metrics.num_accepted_tokens / len(b.outputs[0].token_ids)
+                        per_prompt.setdefault(i, []).append((tpot_ms([a]) / tpot_ms([b]), copied))
             print(f"round {round_index}: {name}: TPOT plain {got['plain'][0]:.2f} ms, {spec['method']} "
                   f"{got['ngram'][0]:.2f} ms "
                   f"-> {ratio:.2f}x; acceptance {statistics.mean(accepted) if accepted else 0:.2f}, "
@@ -100,6 +106,11 @@ def main() -> None:
     for name, ratios in results.items():
         print(f"  {name:<28} {statistics.median(ratios):.2f}x   (rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"greedy outputs identical with and without drafts (default mode): {agree['same']} of {agree['total']}")
+    print("\ngrounded prompts one at a time: TPOT ratio and the share of output tokens that were accepted drafts "
+          "(medians over rounds)")
+    for i, pairs in sorted(per_prompt.items()):
+        print(f"  {statistics.median(r for r, _ in pairs):5.2f}x  {statistics.median(c for _, c in pairs):4.0%}  "
+              f"{texts['grounded'][i].splitlines()[0][:70]}")
 
 
 if __name__ == "__main__":
