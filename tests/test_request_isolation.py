@@ -9,6 +9,7 @@ share its steps: in the default mode they may, at a near-tie, as attention's key
 products' tiles follow the batch)."""
 
 import asyncio
+import gc
 import json
 import math
 import threading
@@ -17,7 +18,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import running_server
+from conftest import forget_last_failure, running_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +41,8 @@ PROPERTY_SETTINGS = settings(derandomize=True, max_examples=200, deadline=None, 
 
 @pytest.fixture(scope="module")
 def llm():
+    forget_last_failure()
+    gc.collect()  # the engines of earlier modules are gone, so the process-wide mode may change
     return LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20, max_num_seqs=32,
                batch_invariant=True)
 
