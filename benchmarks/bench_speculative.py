@@ -12,9 +12,10 @@ Workloads (benchmarks/data/speculative_prompts.json, in the model's chat templat
   free      open-ended answers
 each at concurrency 1 (one request at a time) and 16 (sixteen at once), compared by TPOT (each
 request's mean time between output tokens, its first excluded; mean over requests); and offline
-throughput, 64 requests of both kinds at once, by output tokens per second. Last, each
-grounded prompt's own ratio at concurrency 1 and the share of its output that were accepted drafts. Ratios are plain /
+throughput, 64 requests of both kinds at once, by output tokens per second. Ratios are plain /
 speculative for TPOT and speculative / plain for throughput: above 1, speculation is faster.
+Last, each grounded prompt's own ratio at concurrency 1, and the share of its output tokens
+that were accepted drafts.
 Prefix caching is off in both engines so that every round computes its prompts again.
 """
 

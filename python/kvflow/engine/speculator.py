@@ -2,7 +2,6 @@
 that are decoding; after it, the tallies of what was accepted, per request and engine-wide, and
 the gate that turns speculation down for a request whose drafts keep failing."""
 
-
 from kvflow.engine.ngram_proposer import NgramProposer
 from kvflow.engine.sequence import Sequence
 from kvflow.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
