@@ -112,6 +112,11 @@ inline KeyRange item_keys(const PagedAttentionArgs& a, const AttentionWorkItem& 
   return {lo / kKeyChunk * kKeyChunk, std::min<int64_t>(it.key_end, first_pos + it.q_count)};
 }
 
+// How many chunks ahead both attention kernels ask for keys and values: the next one (two cost
+// one-request decode more time in the AVX-512 BF16 kernel and batched decode none,
+// docs/benchmarks.md).
+constexpr int64_t kPrefetchChunksAhead = 1;
+
 // The prefetch for the chunk `ahead` chunks after c0 (of item item_index, whose keys end at
 // key_hi): in the same item or, near its end, in the next item of [begin, end), whose first
 // chunks are then not a cold start.
@@ -371,7 +376,8 @@ void paged_attention(const PagedAttentionArgs& a, const AttentionWorkItem* items
 
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += kKeyChunk) {
       // The next chunk of this item or, at its last, the first of the next item.
-      const NextChunkPrefetch<T> prefetch = prefetch_ahead<T>(a, items, item_index, end, c0, key_hi, rows, 1);
+      const NextChunkPrefetch<T> prefetch =
+          prefetch_ahead<T>(a, items, item_index, end, c0, key_hi, rows, kPrefetchChunksAhead);
       const int n = int(std::min<int64_t>(kKeyChunk, key_hi - c0));
       const int64_t block = block_table[c0 / a.block_size];
       const int64_t first_slot = block * a.block_size + c0 % a.block_size;

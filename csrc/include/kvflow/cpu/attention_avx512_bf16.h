@@ -65,8 +65,6 @@ inline int32_t load_pair(const bfloat16* p) {
   return v;
 }
 
-constexpr int64_t kPrefetchAhead = 1;
-
 template <int HD>
 void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWorkItem* items, int64_t begin,
                                  int64_t end) {
@@ -131,10 +129,9 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
       // The next chunk, in this item or, at its last, the first of the next one (items are handed
       // out several at a time, see paged_attention, so that the next one's first chunk is not a
       // cold start); and at an item's first chunk, that chunk's rows of every kv head at once,
-      // rather than one kv head's as each is packed. Two chunks ahead, as before, cost
-      // one-request decode more time in attention, and batched decode none (docs/benchmarks.md).
+      // rather than one kv head's as each is packed.
       const NextChunkPrefetch<bfloat16> prefetch =
-          prefetch_ahead<bfloat16>(a, items, item_index, end, c0, key_hi, rows, kPrefetchAhead);
+          prefetch_ahead<bfloat16>(a, items, item_index, end, c0, key_hi, rows, kPrefetchChunksAhead);
       if (c0 == keys.first_chunk) NextChunkPrefetch<bfloat16>(a, block_table, c0, key_hi, 1).issue(0);
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
