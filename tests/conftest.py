@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvflow
+import kvflow.platform
 from kvflow.loader.model_loader import resolve_model_path
 from kvflow.ops.quantized import BLOCK_BYTES, BLOCK_VALUES, GGML_Q4_1, GGML_Q4_K, GGML_Q5_1, GGML_Q5_K, GGML_Q6_K
 

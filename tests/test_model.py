@@ -367,6 +367,39 @@ def test_quantized_weights_stay_in_the_files_blocks(kv_quantized, kv_fp32):
     assert sum(p.nbytes for p in kv_fp32.model.parameters()) / 2 > 2.5 * resident  # bfloat16 would be half of float32
 
 
+# What a fresh process may gain in resident memory by loading the embedded model beyond its
+# weights: the tokenizer's vocabulary and merges, the graph's modules, the modules imported to load
+# (the figures, before and after the loader hands freed memory back: docs/benchmarks.md).
+LOAD_OVERHEAD_BYTES = 80e6
+
+RSS_GAINED_BY_LOADING = """
+import sys, torch
+from kvflow.loader import load_model
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) * 1024
+before = rss()
+lm = load_model(None, torch.bfloat16, dequantize_weights=sys.argv[1] == "1")
+print(rss() - before, sum(p.nbytes for p in lm.model.parameters()))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the resident memory from Linux's /proc")
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_loading_takes_the_weights_memory_and_little_more(dequantize):
+    """A quantized GGUF takes about its file's size in memory once loaded, not its bf16 size: the
+    resident memory a fresh process gains is its weights plus the tokenizer and code, whatever
+    the loading parsed, copied and dropped on the way."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", RSS_GAINED_BY_LOADING, "1" if dequantize else "0"],
+                            capture_output=True, text=True, timeout=300, check=True)
+    gained, weights = map(int, result.stdout.split()[-2:])
+    assert gained <= weights + LOAD_OVERHEAD_BYTES, f"{gained / 1e6:.0f} MB for {weights / 1e6:.0f} MB of weights"
+    if not dequantize:
+        assert gained <= os.path.getsize(SMOLLM2_DIR / SMOLLM2_GGUF) + LOAD_OVERHEAD_BYTES
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantized_perplexity_is_within_one_percent_of_float32(dtype, kv_quantized, kv_fp32, hf_tokenizer,
                                                                 record_property):

@@ -1,6 +1,8 @@
 """How much memory this process may still take: what the kernel reports as available, and less
-where a cgroup (a container's memory limit) allows less."""
+where a cgroup (a container's memory limit) allows less; and handing back what it freed."""
 
+import ctypes
+import gc
 from pathlib import Path
 
 
@@ -21,3 +23,18 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError):
         pass
     return min(candidates) if candidates else None
+
+
+def return_freed_memory() -> None:
+    """Returns the heap memory this process has freed to the kernel, where the C library can
+    (glibc's malloc_trim; elsewhere nothing happens). glibc keeps freed memory for later
+    allocations, so what loading parsed and dropped (the GGUF reader's metadata, tensors that
+    were replaced) would otherwise stay in the process's resident memory for good."""
+    gc.collect()  # objects in reference cycles are freed only by the collector
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)

@@ -11,7 +11,7 @@ import torch
 from kvflow.layers import Linear, LMHead, VocabEmbedding
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
-from kvflow.loader.memory import available_memory_bytes
+from kvflow.loader.memory import available_memory_bytes, return_freed_memory
 from kvflow.loader.gguf_file import config_from_gguf, gguf_tensor_types, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
@@ -74,7 +74,9 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     cache that comes after), and everything moved into huge pages (decode streams it every step).
     parallel: this rank's shard of the model only (each rank reads the checkpoint itself);
     memory_share: the part of the available memory this process may count on for packed copies
-    (1 / the ranks on this machine)."""
+    (1 / the ranks on this machine). What the load freed on the way (the GGUF reader's parsed
+    metadata, replaced tensors) goes back to the kernel, so that the process keeps its weights'
+    memory rather than the most the load took."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported model dtype {dtype} (supported: float32, bfloat16, float16)")
     start = time.perf_counter()
@@ -107,6 +109,8 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
     logger.info("kvflow: weights of %s: %s", os.path.basename(path), describe_weights(graph))
     if torch.device(device).type == "cpu":
         prepare_cpu_weights(graph, cpu_prepack_weights, cpu_reserved_bytes, memory_share)
+    del reader, weights
+    return_freed_memory()
     return LoadedModel(graph, config, tokenizer, path, dtype, time.perf_counter() - start)
 
 
