@@ -7,6 +7,8 @@ import copy
 import json
 import math
 import os
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,9 +391,6 @@ def test_loading_takes_the_weights_memory_and_little_more(dequantize):
     """A quantized GGUF takes about its file's size in memory once loaded, not its bf16 size: the
     resident memory a fresh process gains is its weights plus the tokenizer and code, whatever
     the loading parsed, copied and dropped on the way."""
-    import subprocess
-    import sys
-
     result = subprocess.run([sys.executable, "-c", RSS_GAINED_BY_LOADING, "1" if dequantize else "0"],
                             capture_output=True, text=True, timeout=300, check=True)
     gained, weights = map(int, result.stdout.split()[-2:])
