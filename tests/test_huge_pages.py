@@ -1,6 +1,12 @@
 """Weights and KV cache in huge-page arenas: same values, page-aligned, laid out in the order the
-forward pass reads them, zeroed where fresh, and backed by huge pages where the kernel allows."""
+forward pass reads them, zeroed where fresh, backed by huge pages where the kernel allows, and
+moved there without holding two copies of the weights."""
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +61,30 @@ def test_large_arenas_get_huge_pages_where_the_kernel_offers_them():
     (t,) = empty_in_huge_pages([(64 << 20,)], torch.uint8)
     t.fill_(1)  # touch every page
     assert anon_huge_kb() - before >= 2 << 10, "a 64 MiB arena should get 2 MiB pages"
+
+
+MOVE_PEAK = """
+import torch
+from torch import nn
+from kvflow.loader.huge_pages import move_parameters_to_huge_pages
+def status(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) * 1024
+model = nn.ParameterList([nn.Parameter(torch.ones(16 << 20, dtype=torch.uint8), requires_grad=False) for _ in range(16)])
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from the current resident memory
+move_parameters_to_huge_pages(model)
+print(status("VmHWM") - before, status("VmRSS") - before)
+assert all(bool((p == 1).all()) for p in model)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets and reads Linux's peak resident memory")
+def test_moving_weights_never_holds_two_copies_of_them():
+    """Each weight is freed as soon as it is copied into the arena, so moving 256 MB of weights
+    takes a few tensors' worth of memory beyond them at its peak, not another 256 MB: on a machine
+    where the weights take most of the memory, that is the difference between loading or not."""
+    result = subprocess.run([sys.executable, "-c", MOVE_PEAK], capture_output=True, text=True, timeout=120, check=True)
+    peak, after = map(int, result.stdout.split()[-2:])
+    assert peak <= 64 << 20, f"moving 256 MB of weights peaked {peak / 2**20:.0f} MiB above where it started"
+    assert after <= 16 << 20

@@ -15,14 +15,17 @@ import torch
 from torch import nn
 
 from kvflow.layers.linear import PackedWeight
+from kvflow.loader.memory import trim_heap
 
 _HUGE_PAGE = 2 << 20
 _PAGE = 4096
 _ALIGN = _PAGE  # every tensor carved from an arena starts on a page boundary
+_TRIM_EVERY_BYTES = 64 << 20
 
 
-def _arena(nbytes: int) -> torch.Tensor:
-    """nbytes of zeroed, 2-MiB aligned uint8 CPU memory, advised to use huge pages."""
+def _arena(nbytes: int, fault_in: bool = True) -> torch.Tensor:
+    """nbytes of zeroed, 2-MiB aligned uint8 CPU memory, advised to use huge pages; every page
+    faulted in now where fault_in, else as it is first written."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -33,9 +36,10 @@ def _arena(nbytes: int) -> torch.Tensor:
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view lives
     offset = (-raw.data_ptr()) % _HUGE_PAGE
     arena = raw[offset:offset + nbytes]
-    # Fault every page in now. Left to first use, the kernel zeroes each 2-MiB page inside
-    # whichever step first writes it: 10 ms of a reshape_and_cache call that otherwise takes 15 us.
-    arena[::_PAGE].zero_()
+    if fault_in:
+        # Left to first use, the kernel zeroes each 2-MiB page inside whichever step first
+        # writes it: 10 ms of a reshape_and_cache call that otherwise takes 15 us.
+        arena[::_PAGE].zero_()
     return arena
 
 
@@ -43,11 +47,12 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed CPU tensors of the given shapes, laid out one after another in one huge-page arena."""
+def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype, fault_in: bool = True) -> list[torch.Tensor]:
+    """Zeroed CPU tensors of the given shapes, laid out one after another in one huge-page arena;
+    its pages faulted in now where fault_in, else as each is first written."""
     element = torch.empty((), dtype=dtype).element_size()
     sizes = [_padded(element * max(1, int(torch.Size(shape).numel()))) for shape in shapes]
-    arena = _arena(sum(sizes))
+    arena = _arena(sum(sizes), fault_in)
     tensors, start = [], 0
     for shape, size in zip(shapes, sizes):
         numel = int(torch.Size(shape).numel())
@@ -56,29 +61,34 @@ def empty_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> li
     return tensors
 
 
-def copy_into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of CPU tensors, one after another in a huge-page arena per dtype, in list order."""
-    copies: list[torch.Tensor | None] = [None] * len(tensors)
+def move_into_huge_pages(holders: list) -> None:
+    """Moves the CPU tensors that holders' .data point to into a huge-page arena per dtype, in
+    list order: each holder's tensor is copied, then pointed at its copy, one after another, so
+    that each old tensor can be freed as soon as it is copied. The arena's pages are faulted in by
+    the copies themselves: at no point are all the old tensors and a whole arena resident at once."""
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
+    for i, holder in enumerate(holders):
+        by_dtype.setdefault(holder.data.dtype, []).append(i)
+    copied = 0
     for dtype, indices in by_dtype.items():
-        for i, copy in zip(indices, empty_in_huge_pages([tuple(tensors[i].shape) for i in indices], dtype)):
-            copy.copy_(tensors[i])
-            copies[i] = copy
-    return copies
+        copies = empty_in_huge_pages([tuple(holders[i].data.shape) for i in indices], dtype, fault_in=False)
+        for i, copy in zip(indices, copies):
+            copy.copy_(holders[i].data)
+            holders[i].data = copy
+            copied += copy.numel() * copy.element_size()
+            if copied >= _TRIM_EVERY_BYTES:  # old tensors from the heap leave it only when trimmed
+                trim_heap()
+                copied = 0
 
 
 @torch.no_grad()
 def move_parameters_to_huge_pages(module: nn.Module) -> int:
-    """Copies every CPU parameter of `module` into a huge-page arena, in registration order (the
-    order a forward pass reads them), and points the parameters there; likewise the packed
-    copies many-row products read (kvflow.layers.linear.PackedWeight). Returns the bytes moved."""
+    """Moves every CPU parameter of `module` into a huge-page arena, in registration order (the
+    order a forward pass reads them); likewise the packed copies many-row products read
+    (kvflow.layers.linear.PackedWeight). Returns the bytes moved."""
     parameters = [p for p in module.parameters() if p.device.type == "cpu" and p.numel() > 0]
-    for p, copy in zip(parameters, copy_into_huge_pages([p.data for p in parameters])):
-        p.data = copy
     packed = [m.packed_weight for m in module.modules()
               if isinstance(getattr(m, "packed_weight", None), PackedWeight)]
-    for weight, copy in zip(packed, copy_into_huge_pages([w.data for w in packed])):
-        weight.data = copy
-    return sum(t.numel() * t.element_size() for t in [p.data for p in parameters] + [w.data for w in packed])
+    move_into_huge_pages(parameters)
+    move_into_huge_pages(packed)
+    return sum(h.data.numel() * h.data.element_size() for h in parameters + packed)

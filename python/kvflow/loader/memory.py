@@ -31,6 +31,11 @@ def return_freed_memory() -> None:
     allocations, so what loading parsed and dropped (the GGUF reader's metadata, tensors that
     were replaced) would otherwise stay in the process's resident memory for good."""
     gc.collect()  # objects in reference cycles are freed only by the collector
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): the heap's free pages back to the kernel; nothing elsewhere."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
