@@ -80,6 +80,14 @@ def open_gguf(path: str):
         raise ValueError(f"{path} {problem} ({type(error).__name__}: {error})") from error
 
 
+def drop_metadata(reader) -> None:
+    """Lets go of the reader's parsed metadata (the tokenizer's tokens and merges, one numpy array
+    per entry) once the config and tokenizer are read from it: what the weights need is the
+    architecture and the tensors. Without this the parsed fields stay in memory through the
+    whole load, on top of the weights."""
+    reader.fields = {key: entry for key, entry in reader.fields.items() if key == "general.architecture"}
+
+
 def field(reader, key: str, default=None):
     entry = reader.fields.get(key)
     return default if entry is None else entry.contents()

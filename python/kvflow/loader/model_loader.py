@@ -12,7 +12,7 @@ from kvflow.layers import Linear, LMHead, VocabEmbedding
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
 from kvflow.loader.memory import available_memory_bytes, return_freed_memory
-from kvflow.loader.gguf_file import config_from_gguf, gguf_tensor_types, gguf_weights, open_gguf
+from kvflow.loader.gguf_file import config_from_gguf, drop_metadata, gguf_tensor_types, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
 from kvflow.models.registry import model_class
@@ -94,6 +94,8 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
         config = config_from_gguf(reader)
         graph_class = model_class(config.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
+        drop_metadata(reader)
+        return_freed_memory()
     config = config.with_context(max_model_len).with_tensor_parallel(parallel)
     with torch.device(device):
         graph = graph_class(config, dtype)
