@@ -11,7 +11,7 @@ import torch
 from kvflow.layers import Linear, LMHead, VocabEmbedding
 from kvflow.layers.tensor_parallel import SINGLE_RANK, TensorParallel
 from kvflow.loader.huge_pages import move_parameters_to_huge_pages
-from kvflow.loader.memory import available_memory_bytes, return_freed_memory
+from kvflow.loader.memory import available_memory_bytes, return_freed_memory, trim_heap
 from kvflow.loader.gguf_file import config_from_gguf, drop_metadata, gguf_tensor_types, gguf_weights, open_gguf
 from kvflow.loader.safetensors_dir import read_hf_config, safetensors_files, safetensors_weights
 from kvflow.models.config import ModelConfig
@@ -95,7 +95,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.bfloat16,
         graph_class = model_class(config.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
         drop_metadata(reader)
-        return_freed_memory()
+        trim_heap()
     config = config.with_context(max_model_len).with_tensor_parallel(parallel)
     with torch.device(device):
         graph = graph_class(config, dtype)
