@@ -16,6 +16,8 @@ import torch
 from kvflow import LLM, SamplingParams, platform
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.model_runner import ModelRunner
+from kvflow.engine.ngram_proposer import NgramProposer
+from kvflow.engine.sequence import Sequence
 from kvflow.engine.speculative_config import SpeculativeConfig
 from kvflow.engine.speculator import FIRST_PAUSE_STEPS, SpeculationGate
 
@@ -239,6 +241,33 @@ def test_draft_length_doubles_while_accepted_falls_after_a_rejection_and_pauses_
         failures += 1
     assert 1 <= failures <= 4  # the moving average fell below half a draft: paused
     assert [gate.open() for _ in range(FIRST_PAUSE_STEPS)] == [False] * (FIRST_PAUSE_STEPS - 1) + [True]
+
+
+def test_ngram_lookup_proposes_what_followed_the_longest_latest_match_and_goes_round_a_loop():
+    """Written from the rule: the longest n-gram (of 2..3) ending the context that occurred
+    before, its latest occurrence, the tokens after it; past the context's end, round the loop."""
+    proposer = NgramProposer(num_tokens=5, min_n=2, max_n=3)
+
+    def propose(tokens: list[int], limit: int = 5, output: list[int] = ()) -> list[int]:
+        seq = Sequence("r", tokens, SamplingParams(), seed=0)
+        seq.output_token_ids = list(output)
+        return proposer.propose_one(seq, limit)
+
+    assert propose([1, 2, 3, 4, 5, 6, 7, 1, 2]) == [3, 4, 5, 6, 7]
+    assert propose([1, 2, 3, 4, 5, 6, 7, 1, 2], limit=2) == [3, 4]
+    # 9 2 3 occurred once, 2 3 twice: the longer n-gram decides.
+    assert propose([9, 2, 3, 10, 11, 2, 3, 12, 13, 9, 2, 3]) == [10, 11, 2, 3, 12]
+    # Two occurrences of 2 3: the latest one's continuation.
+    assert propose([2, 3, 10, 11, 2, 3, 12, 13, 5, 2, 3]) == [12, 13, 5, 2, 3]
+    assert propose([1, 2, 3, 4, 5]) == []  # 4 5 never occurred before
+    # A run of one token, and a loop of three: round the loop past the context's end.
+    assert propose([8, 7, 7, 7]) == [7, 7, 7, 7, 7]
+    assert propose([1, 4, 5, 6, 4, 5, 6, 4, 5], limit=4) == [6, 4, 5, 6]
+    # The output counts as context, and the index follows it as it grows.
+    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(), seed=0)
+    assert proposer.propose_one(seq, 3) == []
+    seq.output_token_ids += [5, 2, 3]
+    assert proposer.propose_one(seq, 3) == [4, 5, 2]
 
 
 def test_a_copied_span_is_verified_in_drafts_longer_than_four():

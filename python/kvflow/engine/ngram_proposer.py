@@ -1,6 +1,8 @@
 """N-gram prompt lookup: a request's next tokens guessed from its own context. The proposal is
 what followed the latest earlier occurrence of the context's last n tokens, for the longest n in
-[prompt_lookup_min, prompt_lookup_max] that occurred before. Each sequence keeps an index from
+[prompt_lookup_min, prompt_lookup_max] that occurred before. Where that continuation runs into
+the context's end (the context repeats with a period shorter than the proposal: a run of one
+token, a short loop), the proposal goes on around the loop. Each sequence keeps an index from
 n-gram to where it last ended, extended by the tokens added since the last proposal, so a step
 costs a few dictionary operations per request, not a scan of the context."""
 
@@ -48,5 +50,6 @@ class NgramProposer:
                 continue
             end = index.ends[n].get(tuple(tokens[-n:]))
             if end is not None:
-                return tokens[end:end + count]
+                period = len(tokens) - end
+                return [tokens[end + i % period] for i in range(count)]
         return []
