@@ -9,6 +9,8 @@
 //     is dpbf16(V_pair, broadcast(p[2i], p[2i + 1])) with the probabilities rounded to bf16,
 //     as FlashAttention does for its P.V product. Interleaving within 128-bit lanes leaves the
 //     accumulator's dims in a fixed scrambled order, undone once when the row is written.
+//   - Rows (query tokens x query heads of the kv head) go through in blocks of up to 4, so that
+//     each Kt and V register read from the stack serves 4 rows' products, not one.
 // The online softmax itself (max, exp, sum, rescale) stays in float32, as in attention.h.
 #pragma once
 
@@ -76,10 +78,14 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   const int64_t max_rows = max_item_rows(items, begin, end, group);
-  std::vector<float> acc_rows(max_rows * HD), m_rows(max_rows), l_rows(max_rows);
+  // Each row's softmax sum is kept per lane (16 partial sums, added once at the row's end).
+  std::vector<float> acc_rows(max_rows * HD), m_rows(max_rows), l_lanes(max_rows * 16);
+  std::vector<const bfloat16*> row_query(max_rows);  // each row's query vector
+  std::vector<int64_t> row_pos(max_rows);             // and its token's position
   __m512i k_t[kPairs];                // [HD / 2] registers of 16 keys' pairs
   __m512i v_pairs[8 * kBlocks * 2];  // [8 key pairs][kBlocks][lo, hi]
-  alignas(64) int32_t p_pairs[8];
+  constexpr int kRowBlock = 4;                                   // rows sharing each K^T and V register read
+  constexpr int kDimGroup = (2 * kBlocks) % 4 == 0 ? 4 : 2;      // P.V accumulators a row at a time
   const __m512i unscramble_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i unscramble_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 
@@ -118,12 +124,102 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
     const int32_t* block_table = a.block_tables + it.request * a.max_blocks_per_seq;
     auto row_token = [&](int64_t r) { return first_token + it.q_begin + (r % rows_per_kv_head) / group; };
     auto row_head = [&](int64_t r) { return it.kv_head * group + r / rows_per_kv_head * group + r % group; };
+    for (int64_t r = 0; r < rows; ++r) {
+      row_query[r] = static_cast<const bfloat16*>(a.query) + row_token(r) * a.q_stride + row_head(r) * HD;
+      row_pos[r] = first_pos + (r % rows_per_kv_head) / group;
+    }
     std::fill(acc_rows.begin(), acc_rows.begin() + rows * HD, 0.f);
     std::fill(m_rows.begin(), m_rows.begin() + rows, neg_inf);
-    std::fill(l_rows.begin(), l_rows.begin() + rows, 0.f);
+    std::fill(l_lanes.begin(), l_lanes.begin() + rows * 16, 0.f);
 
     const KeyRange keys = item_keys(a, it);
     const int64_t key_hi = keys.hi;
+
+    // Rows r0 .. r0 + R of one kv head against its packed chunk of n keys from c0. Each K^T and
+    // V register read serves the R rows; each row's own steps (two chains of Q.K products, its
+    // softmax, one chain per 16 dims of P.V over all 8 key pairs) are the same whatever R is, so
+    // that a row's result does not depend on the rows beside it (batch-invariant mode). A row
+    // with no key in the chunk takes p = 0 and keeps its max and sum.
+    auto attend_rows = [&]<int R>(int64_t r0, int64_t c0, int n) {
+      const bfloat16* q[R];
+      __mmask16 valid[R];
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        q[i] = row_query[r];
+        const int64_t pos = row_pos[r];
+        int64_t lo = std::max<int64_t>(it.key_begin, c0);
+        if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);
+        const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
+        valid[i] = lo < hi ? __mmask16(((1u << (hi - c0)) - 1u) & ~((1u << (lo - c0)) - 1u)) : __mmask16(0);
+      }
+      __m512 even[R], odd[R];
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+#pragma GCC unroll 64
+      for (int p = 0; p < kPairs; p += 2) {
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) even[i] = dot_bf16(even[i], k_t[p], _mm512_set1_epi32(load_pair(q[i] + 2 * p)));
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          odd[i] = dot_bf16(odd[i], k_t[p + 1], _mm512_set1_epi32(load_pair(q[i] + 2 * p + 2)));
+        }
+      }
+      alignas(64) int32_t p_pairs[R][8];
+      float correction[R];
+      for (int i = 0; i < R; ++i) {
+        const int64_t r = r0 + i;
+        correction[i] = 1.f;
+        if (valid[i] == 0) {
+          std::fill(p_pairs[i], p_pairs[i] + 8, 0);
+          continue;
+        }
+        __m512 s = _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(a.scale));
+        if (a.soft_cap > 0.f) {
+          const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(-2.f / a.soft_cap)));
+          const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(2.f), VecAvx512::reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                           _mm512_set1_ps(-1.f));
+          s = _mm512_mul_ps(t, _mm512_set1_ps(a.soft_cap));
+        }
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid[i], s);
+        const float m_new = std::max(m_rows[r], VecAvx512::reduce_max(s));
+        // 1 whenever the max holds, which is most chunks after the first few.
+        if (m_new != m_rows[r]) correction[i] = std::exp(m_rows[r] - m_new);
+        const __m512 p = _mm512_maskz_mov_ps(valid[i], VecAvx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        float* l = &l_lanes[r * 16];
+        _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(correction[i]), p));
+        m_rows[r] = m_new;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p_pairs[i]), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+      }
+      for (int b0 = 0; b0 < 2 * kBlocks; b0 += kDimGroup) {
+        __m512 acc[R][kDimGroup];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+          const __m512 vcorr = _mm512_set1_ps(correction[i]);
+#pragma GCC unroll 4
+          for (int b = 0; b < kDimGroup; ++b) {
+            acc[i][b] = _mm512_mul_ps(_mm512_loadu_ps(&acc_rows[(r0 + i) * HD + 16 * (b0 + b)]), vcorr);
+          }
+        }
+#pragma GCC unroll 8
+        for (int pair = 0; pair < 8; ++pair) {
+          __m512i pp[R];
+#pragma GCC unroll 4
+          for (int i = 0; i < R; ++i) pp[i] = _mm512_set1_epi32(p_pairs[i][pair]);
+#pragma GCC unroll 4
+          for (int b = 0; b < kDimGroup; ++b) {
+            const __m512i v = v_pairs[pair * 2 * kBlocks + b0 + b];
+#pragma GCC unroll 4
+            for (int i = 0; i < R; ++i) acc[i][b] = dot_bf16(acc[i][b], v, pp[i]);
+          }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+          for (int b = 0; b < kDimGroup; ++b) _mm512_storeu_ps(&acc_rows[(r0 + i) * HD + 16 * (b0 + b)], acc[i][b]);
+        }
+      }
+    };
 
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += 16) {
       // The next chunk, in this item or, at its last, the first of the next one (items are handed
@@ -135,64 +231,18 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
       if (c0 == keys.first_chunk) NextChunkPrefetch<bfloat16>(a, block_table, c0, key_hi, 1).issue(0);
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
-      for (int64_t r = 0; r < rows; ++r) {
-        prefetch.issue(r);
-        if (r % rows_per_kv_head == 0) pack_chunk(first_slot, it.kv_head + r / rows_per_kv_head, n);
-        const int64_t pos = first_pos + (r % rows_per_kv_head) / group;
-        int64_t lo = std::max<int64_t>(it.key_begin, c0);
-        if (a.sliding_window > 0) lo = std::max<int64_t>(lo, pos - a.sliding_window + 1);
-        const int64_t hi = std::min<int64_t>({it.key_end, pos + 1, c0 + n});
-        if (lo >= hi) continue;
-        const __mmask16 valid = __mmask16(((1u << (hi - c0)) - 1u) & ~((1u << (lo - c0)) - 1u));
-
-        const bfloat16* q = static_cast<const bfloat16*>(a.query) + row_token(r) * a.q_stride + row_head(r) * HD;
-        // Eight independent sums: each vdpbf16ps waits for the previous one into the same sum.
-        __m512 partial[8];
-        for (int j = 0; j < 8; ++j) partial[j] = _mm512_setzero_ps();
-        for (int p = 0; p < kPairs; p += 8) {
-          for (int j = 0; j < 8; ++j) {
-            partial[j] = dot_bf16(partial[j], k_t[p + j], _mm512_set1_epi32(load_pair(q + 2 * (p + j))));
+      for (int64_t head_rows = 0; head_rows < rows; head_rows += rows_per_kv_head) {
+        pack_chunk(first_slot, it.kv_head + head_rows / rows_per_kv_head, n);
+        for (int64_t r0 = head_rows; r0 < head_rows + rows_per_kv_head; r0 += kRowBlock) {
+          const int64_t count = std::min<int64_t>(kRowBlock, head_rows + rows_per_kv_head - r0);
+          for (int64_t r = r0; r < r0 + count; ++r) prefetch.issue(r);
+          switch (count) {
+            case 1: attend_rows.template operator()<1>(r0, c0, n); break;
+            case 2: attend_rows.template operator()<2>(r0, c0, n); break;
+            case 3: attend_rows.template operator()<3>(r0, c0, n); break;
+            default: attend_rows.template operator()<kRowBlock>(r0, c0, n); break;
           }
         }
-        for (int j = 0; j < 4; ++j) partial[j] = _mm512_add_ps(partial[j], partial[j + 4]);
-        __m512 s = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(partial[0], partial[1]), _mm512_add_ps(partial[2], partial[3])),
-                                 _mm512_set1_ps(a.scale));
-        if (a.soft_cap > 0.f) {
-          const __m512 e = VecAvx512::exp(_mm512_mul_ps(s, _mm512_set1_ps(-2.f / a.soft_cap)));
-          const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(2.f), VecAvx512::reciprocal(_mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                           _mm512_set1_ps(-1.f));
-          s = _mm512_mul_ps(t, _mm512_set1_ps(a.soft_cap));
-        }
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid, s);
-        const float m_new = std::max(m_rows[r], VecAvx512::reduce_max(s));
-        // 1 whenever the max holds, which is most chunks after the first few.
-        const float correction = m_new == m_rows[r] ? 1.f : std::exp(m_rows[r] - m_new);
-        const __m512 p = _mm512_maskz_mov_ps(valid, VecAvx512::exp(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        l_rows[r] = l_rows[r] * correction + VecAvx512::reduce_add(p);
-        m_rows[r] = m_new;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p_pairs), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
-
-        float* acc_row = &acc_rows[r * HD];
-        __m512 acc[2 * kBlocks];
-        const __m512 vcorr = _mm512_set1_ps(correction);
-        for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * b), vcorr);
-        // Odd key pairs into a second set of sums, for twice the independent chains.
-        __m512 acc_odd[2 * kBlocks];
-        for (int b = 0; b < 2 * kBlocks; ++b) acc_odd[b] = _mm512_setzero_ps();
-        const int pair_hi = int(hi - c0 - 1) / 2;
-        int i = int(lo - c0) / 2;
-        for (; i + 1 <= pair_hi; i += 2) {
-          const __m512i pp = _mm512_set1_epi32(p_pairs[i]), pp_odd = _mm512_set1_epi32(p_pairs[i + 1]);
-          for (int b = 0; b < 2 * kBlocks; ++b) {
-            acc[b] = dot_bf16(acc[b], v_pairs[i * 2 * kBlocks + b], pp);
-            acc_odd[b] = dot_bf16(acc_odd[b], v_pairs[(i + 1) * 2 * kBlocks + b], pp_odd);
-          }
-        }
-        if (i <= pair_hi) {
-          const __m512i pp = _mm512_set1_epi32(p_pairs[i]);
-          for (int b = 0; b < 2 * kBlocks; ++b) acc[b] = dot_bf16(acc[b], v_pairs[i * 2 * kBlocks + b], pp);
-        }
-        for (int b = 0; b < 2 * kBlocks; ++b) _mm512_storeu_ps(acc_row + 16 * b, _mm512_add_ps(acc[b], acc_odd[b]));
       }
     }
 
@@ -206,7 +256,8 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
         _mm512_storeu_ps(acc_row + 32 * b, _mm512_permutex2var_ps(lo, unscramble_lo, hi));
         _mm512_storeu_ps(acc_row + 32 * b + 16, _mm512_permutex2var_ps(lo, unscramble_hi, hi));
       }
-      finish_row<VecAvx512Bf16, bfloat16, HD>(a, it, token, head, acc_row, m_rows[r], l_rows[r]);
+      const float l = VecAvx512::reduce_add(_mm512_loadu_ps(&l_lanes[r * 16]));
+      finish_row<VecAvx512Bf16, bfloat16, HD>(a, it, token, head, acc_row, m_rows[r], l);
     }
   }
 }
