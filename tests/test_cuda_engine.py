@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from greedy_reference import assert_greedy_matches, transformers_greedy
 from kvflow import LLM, SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,8 +28,6 @@ PROMPTS = ["The first public libraries lent books", "def area(width, height):\n 
            "Sourdough starter is a mix of flour and water. Sourdough starter is a mix of"]
 STEPS = 24
 TOP = 5
-LOGPROB_ATOL = 1e-3
-NEAR_TIE = 1e-3  # a greedy choice may differ only where the reference's own top two are this close
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # layers x (K, V) x kv heads x head_dim x float32
 
 
@@ -85,41 +84,10 @@ def cycling_checkpoint(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("cycling-llama"), cycling=True)
 
 
-def transformers_greedy(model, ids: list[int], device: str) -> tuple[list[int], list[dict[int, float]], list[float]]:
-    """Greedy tokens, each step's top logprobs and its top-2 margin, recomputing the whole
-    sequence each step (no cache to differ in)."""
-    tokens, tops, margins = [], [], []
-    sequence = list(ids)
-    with torch.no_grad():
-        for _ in range(STEPS):
-            logits = model(torch.tensor([sequence], device=device)).logits[0, -1].float()
-            values, indices = torch.log_softmax(logits, -1).topk(TOP)
-            tops.append(dict(zip(indices.tolist(), values.tolist())))
-            margins.append(float(values[0] - values[1]))
-            tokens.append(int(indices[0]))
-            sequence.append(tokens[-1])
-    return tokens, tops, margins
-
-
 def generate(llm: LLM, prompts, params: SamplingParams) -> list:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.allocator.num_used_blocks == 0, "blocks left in use after every request finished"
     return outputs
-
-
-def assert_greedy_matches(outputs, references) -> None:
-    """Each output's tokens are the reference's up to the first near tie, and its logprobs the
-    reference's there."""
-    for output, (tokens, tops, margins) in zip(outputs, references):
-        ours = output.outputs[0]
-        for step, (want, top, margin) in enumerate(zip(tokens, tops, margins)):
-            got = ours.token_ids[step]
-            if got != want:
-                assert margin < NEAR_TIE, f"step {step} gave {got}, the reference {want} (margin {margin:.2e})"
-                break  # the sequences part here; what follows is conditioned on different tokens
-            for token, logprob in top.items():
-                if token in ours.logprobs[step]:
-                    assert abs(ours.logprobs[step][token] - logprob) < LOGPROB_ATOL, (step, token)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,7 +96,7 @@ def test_greedy_decoding_matches_transformers_on_the_same_device(checkpoint, dev
     directory, model, tokenizer = checkpoint
     reference_model = model.to(device)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
-    references = [transformers_greedy(reference_model, ids, device) for ids in prompts]
+    references = [transformers_greedy(reference_model, ids, STEPS, TOP, device) for ids in prompts]
     model.to("cpu")
     # The preempting pool holds 10 blocks of 16 tokens; the four requests need 16 together.
     kv_cache_memory = 10 * 16 * KV_BYTES_PER_TOKEN if mode == "preempting" else 8 << 20
@@ -137,8 +105,8 @@ def test_greedy_decoding_matches_transformers_on_the_same_device(checkpoint, dev
     if device == "cuda":
         assert (llm.engine.runner.decode_graphs is not None) == (mode == "graphs")
     params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=TOP, ignore_eos=True)
-    outputs = generate(llm, prompts, params)
-    assert_greedy_matches(outputs, references)
+    for i, (output, reference) in enumerate(zip(generate(llm, prompts, params), references)):
+        assert_greedy_matches(output, reference, f"prompt {i}: ")
     if mode == "preempting":
         assert llm.engine.stats()["preemptions"] > 0, "the pool was meant to preempt"
 
@@ -162,8 +130,8 @@ def test_ngram_speculation_gives_the_plain_engines_greedy_tokens(checkpoint, cyc
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
             "disable_by_batch_size": 8}
     llm = LLM(**options, speculative_config=spec)
-    outputs = generate(llm, prompts, params)
-    assert_greedy_matches(outputs, references)
+    for i, (output, reference) in enumerate(zip(generate(llm, prompts, params), references)):
+        assert_greedy_matches(output, reference, f"prompt {i}: ")
     stats = llm.engine.stats()["spec_decode"]
     if model == "random":
         assert stats["num_draft_tokens"] > stats["num_accepted_tokens"] * 2, stats

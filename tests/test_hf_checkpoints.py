@@ -23,6 +23,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, Gemma2Config, Gemma2For
                           SmolLM3ForCausalLM)
 
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF
+from greedy_reference import LOGPROB_ATOL, NEAR_TIE, assert_greedy_matches, transformers_greedy
 from k_quants import K_TYPES, quantize_k
 from kvflow import LLM, SamplingParams
 from kvflow.engine.model_runner import ModelRunner, ScheduledRequest
@@ -34,8 +35,6 @@ from kvflow.ops.quantized import INTERLEAVED_TYPES
 VOCAB = 49152  # the tokenizer saved beside the weights is SmolLM2's
 STEPS = 24
 TOP = 20
-LOGPROB_ATOL = 1e-3
-NEAR_TIE = 1e-3  # a greedy choice may differ only where transformers' own top two are this close
 WINDOW = 32
 
 
@@ -71,23 +70,6 @@ def qwen2_checkpoint(directory: Path, tokenizer, tied: bool, window: int | None)
     return save_randomised(Qwen2ForCausalLM(config), directory, tokenizer)
 
 
-def transformers_greedy(model, ids: list[int]) -> tuple[list[int], list[dict[int, float]], list[float]]:
-    """Greedy tokens, each step's top-20 logprobs and its top-2 margin, recomputing the whole
-    sequence each step (no cache to differ in)."""
-    tokens, tops, margins = [], [], []
-    sequence = list(ids)
-    with torch.no_grad():
-        for _ in range(STEPS):
-            logits = model(torch.tensor([sequence])).logits[0, -1].float()
-            logprobs = torch.log_softmax(logits, -1)
-            values, indices = logprobs.topk(TOP)
-            tops.append(dict(zip(indices.tolist(), values.tolist())))
-            margins.append(float(values[0] - values[1]))
-            tokens.append(int(indices[0]))
-            sequence.append(tokens[-1])
-    return tokens, tops, margins
-
-
 def random_ids(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB) for _ in range(length)]
@@ -100,19 +82,7 @@ def assert_matches_transformers(reference, directory: Path, max_model_len: int =
     prompts = [random_ids(n, seed) for seed, n in enumerate(lengths)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for ids, output in zip(prompts, outputs):
-        tokens, tops, margins = transformers_greedy(reference, ids)
-        ours = output.outputs[0]
-        for step, (want, top, margin) in enumerate(zip(tokens, tops, margins)):
-            got = ours.token_ids[step]
-            if got != want:
-                assert margin < NEAR_TIE, f"prompt of {len(ids)}: step {step} gave {got}, transformers {want}"
-                break  # the sequences part here; what follows is conditioned on different tokens
-            boundary = min(top.values())
-            for token, logprob in top.items():
-                if token not in ours.logprobs[step]:  # only a tie at the 20th place may swap it out
-                    assert logprob - boundary < LOGPROB_ATOL, (len(ids), step, token)
-                    continue
-                assert abs(ours.logprobs[step][token] - logprob) < LOGPROB_ATOL, (len(ids), step, token)
+        assert_greedy_matches(output, transformers_greedy(reference, ids, STEPS, TOP), f"prompt of {len(ids)}: ")
 
 
 @pytest.mark.parametrize("tied,window,layer_types", [(True, None, True), (False, None, True), (True, WINDOW, True),
@@ -503,7 +473,7 @@ def test_gguf_matches_transformers(arch, tied, tokenizer, tmp_path):
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
     for seed, length in enumerate(lengths):
         ids = random_ids(length, seed)
-        tokens, tops, margins = transformers_greedy(reference, ids)
+        tokens, tops, margins = transformers_greedy(reference, ids, STEPS, TOP)
         for step, sampled in greedy_steps(runner, ids):
             if sampled.token_id != tokens[step]:
                 assert margins[step] < NEAR_TIE, (length, step)
@@ -643,7 +613,7 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, ki
     differences = []
     for seed, length in enumerate([5, 40, 150]):
         ids = random_ids(length, seed)
-        tokens, tops, margins = transformers_greedy(reference, ids)
+        tokens, tops, margins = transformers_greedy(reference, ids, STEPS, TOP)
         for step, sampled in greedy_steps(runner, ids):
             ours = dict(sampled.top_logprobs)
             for token, logprob in tops[step].items():
