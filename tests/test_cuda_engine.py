@@ -98,7 +98,7 @@ def test_greedy_decoding_matches_transformers_on_the_same_device(checkpoint, dev
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     references = [transformers_greedy(reference_model, ids, STEPS, TOP, device) for ids in prompts]
     model.to("cpu")
-    # The preempting pool holds 10 blocks of 16 tokens; the four requests need 16 together.
+    # The preempting pool holds 10 blocks of 16 tokens; the four requests need 14 together.
     kv_cache_memory = 10 * 16 * KV_BYTES_PER_TOKEN if mode == "preempting" else 8 << 20
     llm = LLM(model=str(directory), device=device, dtype="float32", kv_cache_memory=kv_cache_memory,
               max_num_seqs=4, enforce_eager=mode != "graphs")
