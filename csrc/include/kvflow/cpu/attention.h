@@ -78,6 +78,7 @@ struct NextChunkPrefetch {
   int64_t bytes = 0;
   int64_t step = 0;
 
+  NextChunkPrefetch() = default;  // asks for nothing
   NextChunkPrefetch(const PagedAttentionArgs& a, const int32_t* block_table, int64_t next_c0, int64_t key_hi,
                     int64_t rows) {
     if (next_c0 >= key_hi || rows == 0) return;

@@ -250,15 +250,23 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
       }
     };
 
-    if (it.split >= 0) read_split_start(a, block_table, keys.first_chunk, key_hi);
+    // A split's first chunks are read before anything else, so prefetches start past them.
+    const int64_t read_end = it.split >= 0
+                                 ? std::min<int64_t>(key_hi, keys.first_chunk + kSplitChunksReadFirst * kKeyChunk)
+                                 : keys.first_chunk;
+    if (read_end > keys.first_chunk) read_split_start(a, block_table, keys.first_chunk, key_hi);
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += 16) {
       // The next chunk, in this item or, at its last, the first of the next one (items are handed
       // out several at a time, see paged_attention, so that the next one's first chunk is not a
       // cold start); and at an item's first chunk, that chunk's rows of every kv head at once,
       // rather than one kv head's as each is packed.
       const NextChunkPrefetch<bfloat16> prefetch =
-          prefetch_ahead<bfloat16>(a, items, item_index, end, c0, key_hi, rows, kPrefetchChunksAhead);
-      if (c0 == keys.first_chunk) NextChunkPrefetch<bfloat16>(a, block_table, c0, key_hi, 1).issue(0);
+          c0 + kPrefetchChunksAhead * kKeyChunk < read_end
+              ? NextChunkPrefetch<bfloat16>()
+              : prefetch_ahead<bfloat16>(a, items, item_index, end, c0, key_hi, rows, kPrefetchChunksAhead);
+      if (c0 == keys.first_chunk && read_end == c0) {
+        NextChunkPrefetch<bfloat16>(a, block_table, c0, key_hi, 1).issue(0);
+      }
       const int n = int(std::min<int64_t>(16, key_hi - c0));
       const int64_t first_slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
       for (int64_t head_rows = 0; head_rows < rows; head_rows += rows_per_kv_head) {
