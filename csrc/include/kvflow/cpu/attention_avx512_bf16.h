@@ -74,12 +74,9 @@ inline int32_t load_pair(const bfloat16* p) {
 // and V for 3 kv heads of 64 dims, fit in any L2.
 constexpr int64_t kSplitChunksReadFirst = 8;
 
-// The first kSplitChunksReadFirst chunks of keys [first_chunk, key_hi) read into the cache: a
-// word of each of their lines.
-inline void read_split_start(const PagedAttentionArgs& a, const int32_t* block_table, int64_t first_chunk,
-                             int64_t key_hi) {
+// Keys [first_chunk, end) of every kv head, K and V, read into the cache: a word of each line.
+inline void read_keys(const PagedAttentionArgs& a, const int32_t* block_table, int64_t first_chunk, int64_t end) {
   const int64_t row_bytes = a.num_kv_heads * a.head_dim * int64_t(sizeof(bfloat16));
-  const int64_t end = std::min<int64_t>(key_hi, first_chunk + kSplitChunksReadFirst * kKeyChunk);
   uint64_t sink = 0;
   for (int64_t c0 = first_chunk; c0 < end; c0 += kKeyChunk) {
     const int64_t slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
@@ -250,16 +247,16 @@ void paged_attention_avx512_bf16(const PagedAttentionArgs& a, const AttentionWor
       }
     };
 
-    // A split's first chunks are read before anything else, so prefetches start past them.
+    // A split's first chunks are read before anything else, and prefetches start past them.
     const int64_t read_end = it.split >= 0
                                  ? std::min<int64_t>(key_hi, keys.first_chunk + kSplitChunksReadFirst * kKeyChunk)
                                  : keys.first_chunk;
-    if (read_end > keys.first_chunk) read_split_start(a, block_table, keys.first_chunk, key_hi);
+    if (read_end > keys.first_chunk) read_keys(a, block_table, keys.first_chunk, read_end);
     for (int64_t c0 = keys.first_chunk; c0 < key_hi; c0 += 16) {
       // The next chunk, in this item or, at its last, the first of the next one (items are handed
       // out several at a time, see paged_attention, so that the next one's first chunk is not a
-      // cold start); and at an item's first chunk, that chunk's rows of every kv head at once,
-      // rather than one kv head's as each is packed.
+      // cold start); and at the first chunk of an item not read first, that chunk's rows of every
+      // kv head at once, rather than one kv head's as each is packed.
       const NextChunkPrefetch<bfloat16> prefetch =
           c0 + kPrefetchChunksAhead * kKeyChunk < read_end
               ? NextChunkPrefetch<bfloat16>()
