@@ -74,19 +74,16 @@ inline int32_t load_pair(const bfloat16* p) {
 // and V for 3 kv heads of 64 dims, fit in any L2.
 constexpr int64_t kSplitChunksReadFirst = 8;
 
-// Keys [first_chunk, end) of every kv head, K and V, read into the cache: a word of each line.
+// Keys [first_chunk, end) of every kv head, K and V, read into the cache: a word of each line
+// of each chunk's two spans (those a NextChunkPrefetch of the chunk would ask for).
 inline void read_keys(const PagedAttentionArgs& a, const int32_t* block_table, int64_t first_chunk, int64_t end) {
-  const int64_t row_bytes = a.num_kv_heads * a.head_dim * int64_t(sizeof(bfloat16));
   uint64_t sink = 0;
   for (int64_t c0 = first_chunk; c0 < end; c0 += kKeyChunk) {
-    const int64_t slot = int64_t(block_table[c0 / a.block_size]) * a.block_size + c0 % a.block_size;
-    const char* k = static_cast<const char*>(a.key_cache) + slot * row_bytes;
-    const char* v = static_cast<const char*>(a.value_cache) + slot * row_bytes;
-    const int64_t bytes = std::min<int64_t>(kKeyChunk, end - c0) * row_bytes;
-    for (int64_t byte = 0; byte < bytes; byte += 64) {
+    const NextChunkPrefetch<bfloat16> chunk(a, block_table, c0, end, 1);
+    for (int64_t byte = 0; byte < chunk.bytes; byte += 64) {
       uint64_t k_word, v_word;
-      std::memcpy(&k_word, k + byte, sizeof(k_word));
-      std::memcpy(&v_word, v + byte, sizeof(v_word));
+      std::memcpy(&k_word, chunk.k + byte, sizeof(k_word));
+      std::memcpy(&v_word, chunk.v + byte, sizeof(v_word));
       sink += k_word ^ v_word;
     }
   }
