@@ -42,6 +42,13 @@ class GatedActivationNode final : public OpNode {
 
   int64_t units(int) const override { return share_.units; }
 
+  // The output rows it overwrites (its input is the product just made).
+  void warm(int, const Turn& turn) const override {
+    const int64_t element = out_.element_size();
+    warm_rows(out_.data_ptr(), geometry_.out.stride * element, geometry_.out.width * element,
+              share_.rows(turn.tid, turn.team), true);
+  }
+
   void run(int, const Turn& turn) override {
     const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin < rows.end) {

@@ -241,6 +241,14 @@ class PagedAttentionNode final : public OpNode {
   bool phase_may_skip(int phase) const override { return phase == 1; }
   bool phase_active(int phase) const override { return phase == 0 || plan_->max_splits > 1; }
 
+  // The merge's output rows, which it overwrites (the split partials are the items just done).
+  void warm(int phase, const Turn& turn) const override {
+    if (phase != 1 || num_tokens_ == 0) return;
+    const int64_t element = out_.element_size();
+    warm_rows(out_.data_ptr(), out_.stride(0) * element, out_.numel() / num_tokens_ * element,
+              share_of(num_tokens_, 1, turn.team, turn.tid), true);
+  }
+
   void run(int phase, const Turn& turn) override {
     if (phase == 0) {
       run_attention_items(*plan_, args_, next_item_);

@@ -51,6 +51,18 @@ class CacheWriteNode final : public OpNode {
 
   int64_t units(int) const override { return plan_.num_tokens; }
 
+  // The cache rows of its tokens' slots, which it overwrites (key and value are the product just
+  // made).
+  void warm(int, const Turn& turn) const override {
+    const Range tokens = share_of(plan_.num_tokens, 1, turn.team, turn.tid);
+    for (int64_t t = tokens.begin; t < tokens.end && t < tokens.begin + kWarmTokens; ++t) {
+      const int64_t slot = plan_.slots[t];
+      if (slot < 0 || slot >= num_slots_) continue;
+      warm_rows(key_cache_.data_ptr(), plan_.row_bytes, plan_.row_bytes, {slot, slot + 1}, true);
+      warm_rows(value_cache_.data_ptr(), plan_.row_bytes, plan_.row_bytes, {slot, slot + 1}, true);
+    }
+  }
+
   void run(int, const Turn& turn) override {
     const Range tokens = share_of(plan_.num_tokens, 1, turn.team, turn.tid);
     write_cache_tokens(plan_, key_cache_.data_ptr(), value_cache_.data_ptr(), tokens.begin, tokens.end);
@@ -58,6 +70,7 @@ class CacheWriteNode final : public OpNode {
 
  private:
   static constexpr int64_t kCheckSlots = 2;
+  static constexpr int64_t kWarmTokens = 8;
   at::Tensor key_, value_, key_cache_, value_cache_, slot_mapping_;
   CacheWritePlan plan_;
   int64_t num_slots_ = 0;

@@ -144,6 +144,13 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
   // Every thread walks the same schedule and makes the same decisions: a barrier before a phase
   // unless it and the phase before it are row-local over the same units.
   const bool timed = op_timing.load(std::memory_order_relaxed);
+  // After shared phase i: the row-local phases up to the next shared one warm their lines.
+  auto warm_row_local_after = [&](size_t i, const Turn& turn) {
+    for (size_t j = i + 1; j < schedule_.size() && schedule_[j].units != kShared; ++j) {
+      const Entry& next = schedule_[j];
+      if (!next.may_skip || next.node->phase_active(next.phase)) next.node->warm(next.phase, turn);
+    }
+  };
   auto walk = [&](int64_t tid, int64_t team, SpinBarrier* barrier, int64_t& waited) {
     const Turn turn{tid, team, round};
     int64_t previous = kShared;
@@ -162,6 +169,7 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
       }
       const int64_t run_start = timed ? now_ns() : 0;
       entry.node->run(entry.phase, turn);
+      if (entry.units == kShared) warm_row_local_after(i, turn);
       if (timed) times[i] = {1, now_ns() - run_start, times[i][2]};
       previous = entry.units;
       first = false;

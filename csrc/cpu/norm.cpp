@@ -64,6 +64,21 @@ class NormNode final : public OpNode {
 
   int64_t units(int) const override { return share_.units; }
 
+  // The weight, and the rows it writes: the residual (fused_add_rms_norm, rms_norm_add) or the
+  // output (rms_norm). fused_add_rms_norm's input is the product just made, in both threads'
+  // caches.
+  void warm(int, const Turn& turn) const override {
+    const Range rows = share_.rows(turn.tid, turn.team);
+    if (rows.begin >= rows.end) return;
+    const int64_t element = weight_.element_size(), row_bytes = geometry_.x.width * element;
+    warm_rows(weight_.data_ptr(), 0, row_bytes, {0, 1}, false);
+    switch (kind_) {
+      case NormKind::kFusedAdd: warm_rows(b_.data_ptr(), geometry_.y.stride * element, row_bytes, rows, true); break;
+      case NormKind::kNormAdd: warm_rows(a_.data_ptr(), geometry_.y.stride * element, row_bytes, rows, true); break;
+      case NormKind::kNorm: break;  // its rows may be grouped (for_each_run): left to the kernel
+    }
+  }
+
   void run(int, const Turn& turn) override {
     const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin >= rows.end) return;

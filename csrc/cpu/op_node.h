@@ -100,10 +100,39 @@ class OpNode {
     (void)tid;
     return nullptr;
   }
+  // Right after the shared phase before a row-local one: asks for the lines thread turn.tid's
+  // share of the row-local phase will touch that are ready already (weights, rows written before
+  // that shared phase, outputs it overwrites), so that they arrive while the threads finish the
+  // shared phase. At batch 1 a row-local op otherwise spends most of its time waiting for
+  // them, on the one thread that has the row (docs/benchmarks.md).
+  virtual void warm(int phase, const Turn& turn) const {
+    (void)phase;
+    (void)turn;
+  }
   // Whether the first phase is always shared, whatever the step: a barrier always precedes the
   // node, so memory read only by the nodes before it may be reused from it on.
   bool starts_shared() const { return units(0) == kShared; }
 };
+
+// Asks for the lines of rows [rows.begin, rows.end) of a buffer, row_bytes of each stride_bytes
+// apart, up to kWarmBytes in all (a large share is a long phase that streams on its own); with
+// `write` for lines the phase overwrites, so that they come in writable.
+constexpr int64_t kWarmBytes = 8 << 10;
+
+inline void warm_rows(const void* base, int64_t stride_bytes, int64_t row_bytes, Range rows, bool write) {
+  const char* first = static_cast<const char*>(base);
+  int64_t budget = kWarmBytes;
+  for (int64_t r = rows.begin; r < rows.end && budget > 0; ++r, budget -= row_bytes) {
+    const char* row = first + r * stride_bytes;
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      if (write) {
+        __builtin_prefetch(row + line, 1, 3);
+      } else {
+        __builtin_prefetch(row + line, 0, 3);
+      }
+    }
+  }
+}
 
 // A node's arguments as its op's schema lists them, by kind, each in schema order: tensors
 // (nullopt for an absent optional one), ints (bools too), floats.

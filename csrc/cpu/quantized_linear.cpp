@@ -164,6 +164,11 @@ struct QuantizedInput {
   }
 
   QuantizedRows rows() const { return {q.data(), scale_sum.data(), blocks}; }
+
+  void warm(Range rows) const {
+    warm_rows(q.data(), blocks * kQuantBlock, blocks * kQuantBlock, rows, true);
+    warm_rows(scale_sum.data(), 2 * blocks * int64_t(sizeof(float)), 2 * blocks * int64_t(sizeof(float)), rows, true);
+  }
 };
 
 // Phase 0 quantizes the input rows, each thread its own as the row-local node before it left
@@ -204,6 +209,13 @@ class QuantizedLinearNode final : public OpNode {
 
   int phases() const override { return 2; }
   int64_t units(int phase) const override { return phase == 0 ? geometry_.rows : kShared; }
+
+  // Phase 0's quantized rows, which it overwrites (the input is the row-local result before it).
+  void warm(int phase, const Turn& turn) const override {
+    const QuantizedLinearPlan& g = geometry_;
+    if (phase != 0 || g.panels || g.rows == 0 || g.out_features == 0) return;
+    quantized_.warm(share_of(g.rows, 1, turn.team, turn.tid));
+  }
 
   void run(int phase, const Turn& turn) override {
     const QuantizedLinearPlan& g = geometry_;

@@ -45,6 +45,18 @@ class RotaryNode final : public OpNode {
 
   int64_t units(int) const override { return plan_.geometry.num_tokens; }
 
+  // The cos/sin rows of its tokens' positions (query and key are the product just made).
+  void warm(int, const Turn& turn) const override {
+    const Range tokens = share_of(plan_.geometry.num_tokens, 1, turn.team, turn.tid);
+    const int64_t row_bytes = plan_.geometry.rotary_dim * cos_sin_cache_.element_size();
+    for (int64_t t = tokens.begin; t < tokens.end && t < tokens.begin + kWarmTokens; ++t) {
+      const int64_t position = plan_.args.positions[t];
+      if (position >= 0 && position < plan_.geometry.max_position) {
+        warm_rows(cos_sin_cache_.data_ptr(), row_bytes, row_bytes, {position, position + 1}, false);
+      }
+    }
+  }
+
   void run(int, const Turn& turn) override {
     const Range tokens = share_of(plan_.geometry.num_tokens, 1, turn.team, turn.tid);
     if (tokens.begin < tokens.end) plan_.kernel(plan_.args, tokens.begin, tokens.end);
@@ -52,6 +64,7 @@ class RotaryNode final : public OpNode {
 
  private:
   static constexpr int64_t kCheckPositions = 1;
+  static constexpr int64_t kWarmTokens = 8;
   at::Tensor positions_, query_;
   std::optional<at::Tensor> key_;
   at::Tensor cos_sin_cache_;
