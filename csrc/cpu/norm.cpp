@@ -64,9 +64,8 @@ class NormNode final : public OpNode {
 
   int64_t units(int) const override { return share_.units; }
 
-  // The weight, and the rows it writes: the residual (fused_add_rms_norm, rms_norm_add) or the
-  // output (rms_norm). fused_add_rms_norm's input is the product just made, in both threads'
-  // caches.
+  // The weight, and the residual rows it updates (fused_add_rms_norm, rms_norm_add).
+  // fused_add_rms_norm's input is the product just made, in both threads' caches.
   void warm(int, const Turn& turn) const override {
     const Range rows = share_.rows(turn.tid, turn.team);
     if (rows.begin >= rows.end) return;

@@ -115,8 +115,8 @@ class OpNode {
 };
 
 // Asks for the lines of rows [rows.begin, rows.end) of a buffer, row_bytes of each stride_bytes
-// apart, up to kWarmBytes in all (a large share is a long phase that streams on its own); with
-// `write` for lines the phase overwrites, so that they come in writable.
+// apart, whole rows until kWarmBytes are asked for (a large share is a long phase that streams
+// on its own); with `write` for lines the phase overwrites, so that they come in writable.
 constexpr int64_t kWarmBytes = 8 << 10;
 
 inline void warm_rows(const void* base, int64_t stride_bytes, int64_t row_bytes, Range rows, bool write) {

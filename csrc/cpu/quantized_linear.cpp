@@ -165,6 +165,7 @@ struct QuantizedInput {
 
   QuantizedRows rows() const { return {q.data(), scale_sum.data(), blocks}; }
 
+  // Rows [rows.begin, rows.end) of the codes and scales, which quantize overwrites.
   void warm(Range rows) const {
     warm_rows(q.data(), blocks * kQuantBlock, blocks * kQuantBlock, rows, true);
     warm_rows(scale_sum.data(), 2 * blocks * int64_t(sizeof(float)), 2 * blocks * int64_t(sizeof(float)), rows, true);
