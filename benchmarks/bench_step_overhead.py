@@ -113,10 +113,9 @@ def print_op_times(llm: LLM, rng: random.Random, vocab: int, params: SamplingPar
     threads = torch.get_num_threads()
     weights = weights_read_per_token(llm.engine.runner.model)
     kv = kv_read_per_token(llm, 128, tokens)
-    by_name = {name: (run, wait) for name, _, run, wait in rows}
-    products = sum(run for name, (run, _) in by_name.items()
+    products = sum(run for name, _, run, _ in rows
                    if name.split(" [")[0] in _PRODUCT_OPS and name != "quantized_linear [0]") / threads
-    attention = sum(run + wait for name, (run, wait) in by_name.items() if name.startswith("paged_attention")) / threads
+    attention = sum(run + wait for name, _, run, wait in rows if name.split(" [")[0] == "paged_attention") / threads
     region = (wall_after - wall_before) / steps
     tpot = statistics.mean(tpots)
     floor = (weights + kv) / (bandwidth * 1e9)
