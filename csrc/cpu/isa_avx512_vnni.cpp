@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -84,9 +85,18 @@ inline __m512i input_word_512(const QuantizedRows& x, int64_t row, int64_t chunk
   return _mm512_set1_epi32(int32_t(block_word(codes + 4 * word)));
 }
 
-// vpdpbusd's signed operand against |w| for signed codes w: the input carrying w's sign.
-inline __m512i input_with_sign(__m512i input, __m512i w) {
-  return _mm512_mask_sub_epi8(input, _mm512_movepi8_mask(w), _mm512_setzero_si512(), input);
+// -128 times the sum of the codes of each block of input rows 0 .. rows, in `offsets` (row-major,
+// x.blocks a row): what the products of Q8_0's codes biased to unsigned (w + 128) carry beyond
+// w's. Summed as (q + 128) by vpsadbw, less 32 * 128.
+void biased_code_offsets(const QuantizedRows& x, int64_t rows, int32_t* offsets) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int64_t i = 0; i < rows * x.blocks; ++i) {
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kQuantBlock));
+    const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(codes, flip), _mm256_setzero_si256());
+    const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    const int64_t biased = _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)));
+    offsets[i] = int32_t(-128 * (biased - 128 * kQuantBlock));
+  }
 }
 
 // Two groups of 8 weight rows of a 32-weight format, `group` and the one after it, times input
@@ -94,11 +104,14 @@ inline __m512i input_with_sign(__m512i input, __m512i w) {
 // rows in the low half and the second's in the high half: each instruction does twice the
 // products, and each broadcast input word and scale serves 16 rows (in L2 on a Zen 4, 7-25%
 // faster than two 256-bit calls: docs/benchmarks.md). A row's products add in two chains (even
-// and odd pieces, or low and high nibbles). The integer sums are exact and each lane's float
-// steps are interleaved_group_avx2's, so the results are bit-equal to two calls of it.
+// and odd pieces, or low and high nibbles). Q8_0's signed codes go in biased to unsigned, w + 128,
+// one flip a piece for all rows where carrying w's sign to each row's input took one more
+// instruction a row and piece; the first chain starts from `offsets` (biased_code_offsets),
+// which takes the bias back out. The integer sums are exact and each lane's float steps are
+// interleaved_group_avx2's, so the results are bit-equal to two calls of it.
 template <QuantFormat F, int kRows>
 void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
-                                   __m512* out) {
+                                   const int32_t* offsets, __m512* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
   constexpr int kPieces = kSigned ? 8 : 4;
@@ -114,14 +127,15 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
     block.prefetch(kAheadBytes, kGroupBlock);
     __m512i sums[kRows], second[kRows];  // two chains of products a row: even and odd pieces, or low and high nibbles
     if constexpr (kSigned) {
+      const __m512i flip = _mm512_set1_epi8(char(0x80));
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
-        const __m512i piece = block.bytes32(kFirstPiece + 32 * k), magnitude = _mm512_abs_epi8(piece);
+        const __m512i biased = _mm512_xor_si512(block.bytes32(kFirstPiece + 32 * k), flip);
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          const __m512i signed_x = input_with_sign(input_word_512(x, r0 + r, b, k), piece);
           __m512i& chain = k % 2 == 0 ? sums[r] : second[r];
-          chain = _mm512_dpbusd_epi32(k < 2 ? zero : chain, magnitude, signed_x);
+          const __m512i start = k == 0 ? _mm512_set1_epi32(offsets[(r0 + r) * x.blocks + b]) : zero;
+          chain = _mm512_dpbusd_epi32(k < 2 ? start : chain, biased, input_word_512(x, r0 + r, b, k));
         }
       }
     } else {
@@ -217,11 +231,11 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
 // The pair kernel of format F.
 template <QuantFormat F, int kRows>
 void interleaved_pair_of_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
-                                __m512* out) {
+                                const int32_t* offsets, __m512* out) {
   if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
     interleaved_k_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
   } else {
-    interleaved_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
+    interleaved_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, offsets, out);
   }
 }
 
@@ -236,6 +250,11 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
   constexpr int kRowTile = 4, kPairRows = 2 * kInterleavedRows;
   const int64_t group_bytes = kInterleavedRows * row_bytes;
   const int64_t pairs_end = rows == 1 ? begin : end;
+  thread_local std::vector<int32_t> offsets;
+  if (F == QuantFormat::kQ8_0 && begin + kPairRows <= pairs_end) {
+    offsets.resize(size_t(rows * x.blocks));
+    biased_code_offsets(x, rows, offsets.data());
+  }
   int64_t first = begin;
   for (; first + kPairRows <= pairs_end; first += kPairRows) {
     const uint8_t* group = weight + first * row_bytes;
@@ -245,10 +264,10 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
       // At least 2 rows reach here and a last 5 takes one tile, so no tile has 1 row.
       const int n = rows - r0 == kRowTile + 1 ? kRowTile + 1 : int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, sums); break;
-        case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, sums); break;
-        case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, sums); break;
-        default: interleaved_pair_of_avx512<F, 5>(group, group_bytes, x, r0, sums); break;
+        case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, offsets.data(), sums); break;
+        case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, offsets.data(), sums); break;
+        case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, offsets.data(), sums); break;
+        default: interleaved_pair_of_avx512<F, 5>(group, group_bytes, x, r0, offsets.data(), sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m512 y = _mm512_add_ps(sums[r], b);
