@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -85,20 +84,6 @@ inline __m512i input_word_512(const QuantizedRows& x, int64_t row, int64_t chunk
   return _mm512_set1_epi32(int32_t(block_word(codes + 4 * word)));
 }
 
-// -128 times the sum of the codes of each block of input rows 0 .. rows, in `offsets` (row-major,
-// x.blocks a row): what the products of Q8_0's codes biased to unsigned (w + 128) carry beyond
-// w's. Summed as (q + 128) by vpsadbw, less 32 * 128.
-void biased_code_offsets(const QuantizedRows& x, int64_t rows, int32_t* offsets) {
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  for (int64_t i = 0; i < rows * x.blocks; ++i) {
-    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + i * kQuantBlock));
-    const __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(codes, flip), _mm256_setzero_si256());
-    const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-    const int64_t biased = _mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)));
-    offsets[i] = int32_t(-128 * (biased - 128 * kQuantBlock));
-  }
-}
-
 // Two groups of 8 weight rows of a 32-weight format, `group` and the one after it, times input
 // rows r0 .. r0 + kRows: interleaved_group_avx2's products on 512-bit vectors, the first group's
 // rows in the low half and the second's in the high half: each instruction does twice the
@@ -106,12 +91,12 @@ void biased_code_offsets(const QuantizedRows& x, int64_t rows, int32_t* offsets)
 // faster than two 256-bit calls: docs/benchmarks.md). A row's products add in two chains (even
 // and odd pieces, or low and high nibbles). Q8_0's signed codes go in biased to unsigned, w + 128,
 // one flip a piece for all rows where carrying w's sign to each row's input took one more
-// instruction a row and piece; the first chain starts from `offsets` (biased_code_offsets),
+// instruction a row and piece; the first chain starts from -128 times the input's code sum,
 // which takes the bias back out. The integer sums are exact and each lane's float steps are
 // interleaved_group_avx2's, so the results are bit-equal to two calls of it.
 template <QuantFormat F, int kRows>
 void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
-                                   const int32_t* offsets, __m512* out) {
+                                   __m512* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
   constexpr bool kFifthBit = F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1;
   constexpr int kPieces = kSigned ? 8 : 4;
@@ -134,7 +119,7 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
           __m512i& chain = k % 2 == 0 ? sums[r] : second[r];
-          const __m512i start = k == 0 ? _mm512_set1_epi32(offsets[(r0 + r) * x.blocks + b]) : zero;
+          const __m512i start = k == 0 ? _mm512_set1_epi32(-128 * x.code_sum[(r0 + r) * x.blocks + b]) : zero;
           chain = _mm512_dpbusd_epi32(k < 2 ? start : chain, biased, input_word_512(x, r0 + r, b, k));
         }
       }
@@ -231,11 +216,11 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
 // The pair kernel of format F.
 template <QuantFormat F, int kRows>
 void interleaved_pair_of_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
-                                const int32_t* offsets, __m512* out) {
+                                __m512* out) {
   if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
     interleaved_k_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
   } else {
-    interleaved_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, offsets, out);
+    interleaved_group_pair_avx512<F, kRows>(group, group_bytes, x, r0, out);
   }
 }
 
@@ -250,11 +235,6 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
   constexpr int kRowTile = 4, kPairRows = 2 * kInterleavedRows;
   const int64_t group_bytes = kInterleavedRows * row_bytes;
   const int64_t pairs_end = rows == 1 ? begin : end;
-  thread_local std::vector<int32_t> offsets;
-  if (F == QuantFormat::kQ8_0 && begin + kPairRows <= pairs_end) {
-    offsets.resize(size_t(rows * x.blocks));
-    biased_code_offsets(x, rows, offsets.data());
-  }
   int64_t first = begin;
   for (; first + kPairRows <= pairs_end; first += kPairRows) {
     const uint8_t* group = weight + first * row_bytes;
@@ -264,10 +244,10 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
       // At least 2 rows reach here and a last 5 takes one tile, so no tile has 1 row.
       const int n = rows - r0 == kRowTile + 1 ? kRowTile + 1 : int(std::min<int64_t>(kRowTile, rows - r0));
       switch (n) {
-        case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, offsets.data(), sums); break;
-        case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, offsets.data(), sums); break;
-        case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, offsets.data(), sums); break;
-        default: interleaved_pair_of_avx512<F, 5>(group, group_bytes, x, r0, offsets.data(), sums); break;
+        case 2: interleaved_pair_of_avx512<F, 2>(group, group_bytes, x, r0, sums); break;
+        case 3: interleaved_pair_of_avx512<F, 3>(group, group_bytes, x, r0, sums); break;
+        case 4: interleaved_pair_of_avx512<F, 4>(group, group_bytes, x, r0, sums); break;
+        default: interleaved_pair_of_avx512<F, 5>(group, group_bytes, x, r0, sums); break;
       }
       for (int r = 0; r < n; ++r) {
         const __m512 y = _mm512_add_ps(sums[r], b);

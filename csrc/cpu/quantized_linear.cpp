@@ -135,11 +135,13 @@ std::vector<float> float_values(const std::optional<at::Tensor>& t) {
 struct QuantizedInput {
   std::vector<int8_t> q;
   std::vector<float> scale_sum;
+  std::vector<int32_t> code_sum;
   int64_t blocks = 0;
 
   QuantizedInput(int64_t rows, int64_t blocks) : blocks(blocks) {
     q.resize(size_t(rows * blocks * kQuantBlock));
     scale_sum.resize(size_t(2 * rows * blocks));
+    code_sum.resize(size_t(rows * blocks));
   }
 
   // Rows [begin, end) of input; `row` is scratch of in_features floats.
@@ -153,22 +155,24 @@ struct QuantizedInput {
       if (input.stride(1) == 1) {
         const char* values = static_cast<const char*>(input.data_ptr()) + r * stride * input.element_size();
         kernels[is_float32 ? 0 : 1](values, blocks, codes, scales);
-        continue;
+      } else {
+        for (int64_t k = 0; k < in_features; ++k) {
+          row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
+                              : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
+        }
+        kernels[0](row, blocks, codes, scales);
       }
-      for (int64_t k = 0; k < in_features; ++k) {
-        row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
-                            : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
-      }
-      kernels[0](row, blocks, codes, scales);
+      sum_codes(codes, blocks, &code_sum[size_t(r * blocks)]);
     }
   }
 
-  QuantizedRows rows() const { return {q.data(), scale_sum.data(), blocks}; }
+  QuantizedRows rows() const { return {q.data(), scale_sum.data(), code_sum.data(), blocks}; }
 
   // Rows [rows.begin, rows.end) of the codes and scales, which quantize overwrites.
   void warm(Range rows) const {
     warm_rows(q.data(), blocks * kQuantBlock, blocks * kQuantBlock, rows, true);
     warm_rows(scale_sum.data(), 2 * blocks * int64_t(sizeof(float)), 2 * blocks * int64_t(sizeof(float)), rows, true);
+    warm_rows(code_sum.data(), blocks * int64_t(sizeof(int32_t)), blocks * int64_t(sizeof(int32_t)), rows, true);
   }
 };
 

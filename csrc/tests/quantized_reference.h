@@ -41,16 +41,19 @@ struct QuantizedInput {
   std::vector<int8_t> q;
   std::vector<float> scale_sum;
   int64_t chunks;
-  cpu::QuantizedRows rows() const { return {q.data(), scale_sum.data(), chunks}; }
+  std::vector<int32_t> code_sum;
+  cpu::QuantizedRows rows() const { return {q.data(), scale_sum.data(), code_sum.data(), chunks}; }
 };
 
 inline QuantizedInput quantized_input(const std::vector<float>& x, int64_t rows, int64_t in_features) {
   QuantizedInput in{std::vector<int8_t>(x.size()), std::vector<float>(size_t(2 * rows * in_features / cpu::kQuantBlock)),
-                    in_features / cpu::kQuantBlock};
+                    in_features / cpu::kQuantBlock, {}};
   for (int64_t i = 0; i < rows * in.chunks; ++i) {
     cpu::quantize_activation_block(x.data() + i * cpu::kQuantBlock, in.q.data() + i * cpu::kQuantBlock,
                                    in.scale_sum.data() + 2 * i);
   }
+  in.code_sum.resize(size_t(rows * in.chunks));
+  cpu::sum_codes(in.q.data(), rows * in.chunks, in.code_sum.data());
   return in;
 }
 

@@ -217,11 +217,23 @@ KVFLOW_HOST_DEVICE void dequantize_chunk(QuantFormat f, const uint8_t* block, in
 // of the weights w = d q + m with the quantized activations, and its error sums w_j (x'_j - x_j),
 // whose weights are centred on zero; with the exact sum it would sum d q_j (x'_j - x_j), whose
 // weights are not, and the product's error nearly doubles.
+// code_sum[i] is the sum of chunk i's codes as an integer, for kernels that bias the weights'
+// signed codes to unsigned and take the bias back out exactly.
 struct QuantizedRows {
   const int8_t* q;
   const float* scale_sum;
+  const int32_t* code_sum;
   int64_t blocks;  // in_features / 32
 };
+
+// The sums of chunks [0, chunks) of codes q, into code_sum.
+inline void sum_codes(const int8_t* q, int64_t chunks, int32_t* code_sum) {
+  for (int64_t i = 0; i < chunks; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < kQuantBlock; ++j) sum += q[i * kQuantBlock + j];
+    code_sum[i] = sum;
+  }
+}
 
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that
 // |x - scale * q| <= scale / 2 for every value (the bound the tests hold the products to).
