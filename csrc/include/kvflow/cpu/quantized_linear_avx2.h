@@ -236,7 +236,9 @@ constexpr int64_t kInterleavedAheadBytes = 6144;
 // - Q8_0: eight pieces of signed codes, so the product takes |w| against x carrying w's sign;
 //   its pair sums (up to 2 x 127 x 127) leave no room for a 16-bit sum, so each piece's widen
 //   and add in 32 bits.
-// With 32-bit partials a block's products all add into one.
+// With 32-bit partials a block's products all add into one, and Q8_0's codes go in biased to
+// unsigned (w + 128, one flip a piece for all rows), the sum starting from -128 times the input
+// row's code sum: no sign carried to each row's input.
 template <QuantFormat F, int kRows, class Dot>
 void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
@@ -270,7 +272,19 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
     };
     // The piece loops are unrolled by pragma: left to itself, GCC kept Q4_1's rolled under vpdpbusd,
     // its partials moving between registers at every piece (docs/benchmarks.md).
-    if constexpr (kSigned) {
+    if constexpr (kSigned && Dot::kSums32) {
+      const __m256i flip = _mm256_set1_epi8(char(0x80));
+#pragma GCC unroll 8
+      for (int k = 0; k < kPieces; ++k) {
+        const __m256i biased =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k)), flip);
+#pragma GCC unroll 5
+        for (int r = 0; r < kRows; ++r) {
+          const __m256i start = _mm256_set1_epi32(-128 * x.code_sum[(r0 + r) * x.blocks + b]);
+          sums[r] = Dot::add(k == 0 ? start : sums[r], biased, input_word(r, 4 * k));
+        }
+      }
+    } else if constexpr (kSigned) {
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k));
