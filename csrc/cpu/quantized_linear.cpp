@@ -152,17 +152,17 @@ struct QuantizedInput {
     for (int64_t r = begin; r < end; ++r) {
       int8_t* codes = q.data() + r * blocks * kQuantBlock;
       float* scales = &scale_sum[size_t(2 * r * blocks)];
+      int32_t* sums = &code_sum[size_t(r * blocks)];
       if (input.stride(1) == 1) {
         const char* values = static_cast<const char*>(input.data_ptr()) + r * stride * input.element_size();
-        kernels[is_float32 ? 0 : 1](values, blocks, codes, scales);
-      } else {
-        for (int64_t k = 0; k < in_features; ++k) {
-          row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
-                              : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
-        }
-        kernels[0](row, blocks, codes, scales);
+        kernels[is_float32 ? 0 : 1](values, blocks, codes, scales, sums);
+        continue;
       }
-      sum_codes(codes, blocks, &code_sum[size_t(r * blocks)]);
+      for (int64_t k = 0; k < in_features; ++k) {
+        row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
+                            : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
+      }
+      kernels[0](row, blocks, codes, scales, sums);
     }
   }
 

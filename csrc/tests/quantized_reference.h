@@ -47,13 +47,11 @@ struct QuantizedInput {
 
 inline QuantizedInput quantized_input(const std::vector<float>& x, int64_t rows, int64_t in_features) {
   QuantizedInput in{std::vector<int8_t>(x.size()), std::vector<float>(size_t(2 * rows * in_features / cpu::kQuantBlock)),
-                    in_features / cpu::kQuantBlock, {}};
+                    in_features / cpu::kQuantBlock, std::vector<int32_t>(size_t(rows * in_features / cpu::kQuantBlock))};
   for (int64_t i = 0; i < rows * in.chunks; ++i) {
     cpu::quantize_activation_block(x.data() + i * cpu::kQuantBlock, in.q.data() + i * cpu::kQuantBlock,
-                                   in.scale_sum.data() + 2 * i);
+                                   in.scale_sum.data() + 2 * i, in.code_sum.data() + i);
   }
-  in.code_sum.resize(size_t(rows * in.chunks));
-  cpu::sum_codes(in.q.data(), rows * in.chunks, in.code_sum.data());
   return in;
 }
 

@@ -143,7 +143,8 @@ KVFLOW_TEST(activation_blocks_quantize_within_half_a_step) {
   std::vector<int8_t> q(x.size());
   for (int64_t b = 0; b < 4; ++b) {
     float scale_sum[2];
-    quantize_activation_block(x.data() + b * kQuantBlock, q.data() + b * kQuantBlock, scale_sum);
+    int32_t block_code_sum = 0;
+    quantize_activation_block(x.data() + b * kQuantBlock, q.data() + b * kQuantBlock, scale_sum, &block_code_sum);
     int code_sum = 0;
     for (int64_t j = 0; j < kQuantBlock; ++j) {
       const float v = x[size_t(b * kQuantBlock + j)];
@@ -151,6 +152,7 @@ KVFLOW_TEST(activation_blocks_quantize_within_half_a_step) {
       KVFLOW_CHECK(std::fabs(v - scale_sum[0] * q[size_t(b * kQuantBlock + j)]) <= 0.5001f * scale_sum[0] + 1e-7f);
     }
     KVFLOW_CHECK(scale_sum[1] == scale_sum[0] * float(code_sum));
+    KVFLOW_CHECK(block_code_sum == code_sum);
   }
 }
 
@@ -164,13 +166,14 @@ KVFLOW_TEST(activation_ties_round_to_even) {
   for (int i = 0; i < 7; ++i) x[size_t(i + 1)] = halves[i];
   std::vector<int8_t> q(kQuantBlock);
   float scale_sum[2];
-  quantize_activation_block(x.data(), q.data(), scale_sum);
+  int32_t code_sum = 0;
+  quantize_activation_block(x.data(), q.data(), scale_sum, &code_sum);
   KVFLOW_CHECK(scale_sum[0] == 1.f);
   for (int i = 0; i < 7; ++i) KVFLOW_CHECK(q[size_t(i + 1)] == expected[i]);
 }
 
-// Every instruction set's quantize_activations gives quantize_activation_block's codes and
-// scales bit for bit, from float32 and from bfloat16: random chunks, halfway values (bfloat16's
+// Every instruction set's quantize_activations gives quantize_activation_block's codes, scales
+// and code sums bit for bit, from float32 and from bfloat16: random chunks, halfway values (bfloat16's
 // many ties), a zero chunk, and chunks of very different magnitudes.
 KVFLOW_TEST(quantize_activations_match_the_definition) {
   const int64_t chunks = 6;
@@ -183,20 +186,24 @@ KVFLOW_TEST(quantize_activations_match_the_definition) {
   for (int is_bf16 = 0; is_bf16 < 2; ++is_bf16) {
     std::vector<int8_t> expected_q(x.size());
     std::vector<float> expected_scales(size_t(2 * chunks));
+    std::vector<int32_t> expected_sums(static_cast<size_t>(chunks));
     for (int64_t c = 0; c < chunks; ++c) {
       float chunk[kQuantBlock];
       for (int j = 0; j < kQuantBlock; ++j) {
         const size_t i = size_t(c * kQuantBlock + j);
         chunk[j] = is_bf16 ? to_float(x_bf16[i]) : x[i];
       }
-      quantize_activation_block(chunk, expected_q.data() + c * kQuantBlock, expected_scales.data() + 2 * c);
+      quantize_activation_block(chunk, expected_q.data() + c * kQuantBlock, expected_scales.data() + 2 * c,
+                                expected_sums.data() + c);
     }
     for (const std::string& isa : supported_isas()) {
       std::vector<int8_t> q(x.size(), 99);
       std::vector<float> scales(size_t(2 * chunks), -1.f);
+      std::vector<int32_t> sums(size_t(chunks), -1);
       const void* input = is_bf16 ? static_cast<const void*>(x_bf16.data()) : static_cast<const void*>(x.data());
-      table_named(isa).quantize_activations[is_bf16](input, chunks, q.data(), scales.data());
+      table_named(isa).quantize_activations[is_bf16](input, chunks, q.data(), scales.data(), sums.data());
       KVFLOW_CHECK(q == expected_q);
+      KVFLOW_CHECK(sums == expected_sums);
       KVFLOW_CHECK(std::memcmp(scales.data(), expected_scales.data(), scales.size() * sizeof(float)) == 0);
     }
   }

@@ -226,14 +226,6 @@ struct QuantizedRows {
   int64_t blocks;  // in_features / 32
 };
 
-// The sums of chunks [0, chunks) of codes q, into code_sum.
-inline void sum_codes(const int8_t* q, int64_t chunks, int32_t* code_sum) {
-  for (int64_t i = 0; i < chunks; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < kQuantBlock; ++j) sum += q[i * kQuantBlock + j];
-    code_sum[i] = sum;
-  }
-}
 
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that
 // |x - scale * q| <= scale / 2 for every value (the bound the tests hold the products to).
@@ -241,18 +233,19 @@ inline void sum_codes(const int8_t* q, int64_t chunks, int32_t* code_sum) {
 // exactly halfway between two codes often, and a rounded reciprocal would break all of a
 // block's ties the same way, a bias that grows through the layers. 127 x is exact for a
 // bfloat16 x, so a tie stays a tie and rounds to even.
-inline void quantize_activation_block(const float* x, int8_t* q, float* scale_sum) {
+inline void quantize_activation_block(const float* x, int8_t* q, float* scale_sum, int32_t* code_sum) {
   float amax = 0.f;
   for (int j = 0; j < kQuantBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float d = amax / 127.f;
-  int code_sum = 0;
+  int32_t sum = 0;
   for (int j = 0; j < kQuantBlock; ++j) {
     const float code = amax > 0.f ? std::nearbyint(x[j] * 127.f / amax) : 0.f;
     q[j] = int8_t(std::max(-127.f, std::min(127.f, code)));
-    code_sum += q[j];
+    sum += q[j];
   }
   scale_sum[0] = d;
-  scale_sum[1] = d * float(code_sum);
+  scale_sum[1] = d * float(sum);
+  *code_sum = sum;
 }
 
 

@@ -167,9 +167,9 @@ using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features]
                                    int64_t rows, int64_t out_features, int64_t begin, int64_t end);
 
 // Quantizes `chunks` chunks of 32 contiguous activations (float32, or bfloat16 for entry 1) as
-// quantize_activation_block (gguf_blocks.h) does, bit for bit: codes q [chunks * 32] and
-// scale_sum [2 * chunks].
-using QuantizeActivationsFn = void (*)(const void* x, int64_t chunks, int8_t* q, float* scale_sum);
+// quantize_activation_block (gguf_blocks.h) does, bit for bit: codes q [chunks * 32],
+// scale_sum [2 * chunks] and code_sum [chunks].
+using QuantizeActivationsFn = void (*)(const void* x, int64_t chunks, int8_t* q, float* scale_sum, int32_t* code_sum);
 
 // Panel `panel` of a weight in GGUF blocks of the entry's format (rows [out_features, row_bytes]),
 // dequantized and rounded to bfloat16 into pack_linear_weight's layout (without gate_up), zero

@@ -101,12 +101,12 @@ void dequantize_panel(const uint8_t* weight, int64_t row_bytes, int64_t out_feat
 
 // QuantizeActivationsFn (kernel_table.h) in plain C++.
 template <typename T>
-void quantize_activations(const void* x, int64_t chunks, int8_t* q, float* scale_sum) {
+void quantize_activations(const void* x, int64_t chunks, int8_t* q, float* scale_sum, int32_t* code_sum) {
   const T* values = static_cast<const T*>(x);
   float chunk[kQuantBlock];
   for (int64_t c = 0; c < chunks; ++c) {
     for (int j = 0; j < kQuantBlock; ++j) chunk[j] = to_float(values[c * kQuantBlock + j]);
-    quantize_activation_block(chunk, q + c * kQuantBlock, scale_sum + 2 * c);
+    quantize_activation_block(chunk, q + c * kQuantBlock, scale_sum + 2 * c, code_sum + c);
   }
 }
 

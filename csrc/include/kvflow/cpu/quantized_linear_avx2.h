@@ -611,7 +611,7 @@ void dequantize_panel_avx2(const uint8_t* weight, int64_t row_bytes, int64_t out
 // QuantizeActivationsFn (kernel_table.h) in AVX2: the same float32 operations as
 // quantize_activation_block (127 x, divided by max|x|, rounded to nearest even), eight at a time.
 template <typename T>
-void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* scale_sum) {
+void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* scale_sum, int32_t* code_sum) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), c127 = _mm256_set1_ps(127.f);
   for (int64_t c = 0; c < chunks; ++c) {
     __m256 v[4];
@@ -634,6 +634,7 @@ void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), _mm256_setzero_si256());
       scale_sum[2 * c] = amax / 127.f;
       scale_sum[2 * c + 1] = 0.f;
+      code_sum[c] = 0;
       continue;
     }
     const __m256 divisor = _mm256_set1_ps(amax);
@@ -653,7 +654,8 @@ void quantize_activations_avx2(const void* x, int64_t chunks, int8_t* q, float* 
     sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
     const float d = amax / 127.f;
     scale_sum[2 * c] = d;
-    scale_sum[2 * c + 1] = d * float(_mm_cvtsi128_si32(sum4));
+    code_sum[c] = _mm_cvtsi128_si32(sum4);
+    scale_sum[2 * c + 1] = d * float(code_sum[c]);
   }
 }
 
