@@ -49,10 +49,10 @@ KernelTable make_avx512_bf16_table() {
   fill_avx512_quantized_entries(table);
   // From these row counts up an interleaved weight's product is at least 5% faster through
   // dequantized panels and vdpbf16ps than through the int8 kernel (measured against the 512-bit
-  // vpdpbusd kernels: docs/benchmarks.md); the other formats never are.
+  // vpdpbusd kernels: docs/benchmarks.md); the other formats never are (Q8_0 took panels from
+  // 1024 rows until its pair kernel stopped carrying each weight's sign to every input row).
   auto& panel_rows = table.interleaved_panel_rows;
   panel_rows[interleaved_index(QuantFormat::kQ6_K)] = 64;
-  panel_rows[interleaved_index(QuantFormat::kQ8_0)] = 1024;
   return table;
 }
 
