@@ -135,18 +135,21 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
         }
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          sums[r] = _mm512_dpbusd_epi32(k == 0 ? zero : sums[r], low, input_word_512(x, r0 + r, b, k));
+          // Q4_0 and Q5_0 take their codes' centre, 8 or 16 times the input's code sum, off here.
+          const __m512i start =
+              has_offset(F) ? zero : _mm512_set1_epi32((kFifthBit ? -16 : -8) * x.code_sum[(r0 + r) * x.blocks + b]);
+          sums[r] = _mm512_dpbusd_epi32(k == 0 ? start : sums[r], low, input_word_512(x, r0 + r, b, k));
           second[r] = _mm512_dpbusd_epi32(k == 0 ? zero : second[r], high, input_word_512(x, r0 + r, b, 4 + k));
         }
       }
     }
     const __m512 d = block.halves(0);
-    const __m512 m = has_offset(F) ? block.halves(16) : _mm512_mul_ps(d, _mm512_set1_ps(kFifthBit ? -16.f : -8.f));
+    const __m512 m = has_offset(F) ? block.halves(16) : _mm512_setzero_ps();
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(scale_sum[0])), acc[r]);
-      if constexpr (!kSigned) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scale_sum[1]), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scale_sum[1]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];

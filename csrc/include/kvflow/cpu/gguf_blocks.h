@@ -226,7 +226,6 @@ struct QuantizedRows {
   int64_t blocks;  // in_features / 32
 };
 
-
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that
 // |x - scale * q| <= scale / 2 for every value (the bound the tests hold the products to).
 // q is computed as 127 x / max|x|, not x times a rounded reciprocal: bfloat16 activations land

@@ -249,6 +249,9 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   // products add in two chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel
   // back (docs/benchmarks.md).
   constexpr bool kTwoChains = !kSigned && Dot::kSums32 && kRows <= 2;
+  // Q4_0 and Q5_0 store w = d (q - 8) and d (q - 16): their sums take 8 or 16 times the input's
+  // code sum off in integers, and only Q4_1 and Q5_1 add an offset in float.
+  constexpr int32_t kCentre = kFifthBit ? 16 : 8;
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
@@ -280,8 +283,8 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
             _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k)), flip);
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          const __m256i start = _mm256_set1_epi32(-128 * x.code_sum[(r0 + r) * x.blocks + b]);
-          sums[r] = Dot::add(k == 0 ? start : sums[r], biased, input_word(r, 4 * k));
+          const __m256i so_far = k == 0 ? _mm256_set1_epi32(-128 * x.code_sum[(r0 + r) * x.blocks + b]) : sums[r];
+          sums[r] = Dot::add(so_far, biased, input_word(r, 4 * k));
         }
       }
     } else if constexpr (kSigned) {
@@ -323,17 +326,21 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
       if constexpr (kTwoChains) {
         for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], partial_high[r]);
       }
+      if constexpr (!has_offset(F)) {  // the codes' centre, in integers
+        for (int r = 0; r < kRows; ++r) {
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_set1_epi32(-kCentre * x.code_sum[(r0 + r) * x.blocks + b]));
+        }
+      }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    // Q4_1, Q5_1: w = d q + m; Q4_0: w = d q - 8 d; Q5_0: w = d q - 16 d. Either way an offset
-    // times the input's d * sum(q).
+    // Q4_1, Q5_1: w = d q + m, the offset times the input's d * sum(q).
     const __m256 m = has_offset(F) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))
-                                   : _mm256_mul_ps(d, _mm256_set1_ps(kFifthBit ? -16.f : -8.f));
+                                   : _mm256_setzero_ps();
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
       const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
       acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(scale_sum[0])), acc[r]);
-      if constexpr (!kSigned) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(scale_sum[1]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = acc[r];
