@@ -135,9 +135,9 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
         }
 #pragma GCC unroll 5
         for (int r = 0; r < kRows; ++r) {
-          // Q4_0 and Q5_0 take their codes' centre, 8 or 16 times the input's code sum, off here.
+          // Q4_0 and Q5_0 take their codes' centre times the input's code sum off here.
           const __m512i start =
-              has_offset(F) ? zero : _mm512_set1_epi32((kFifthBit ? -16 : -8) * x.code_sum[(r0 + r) * x.blocks + b]);
+              has_offset(F) ? zero : _mm512_set1_epi32(-code_centre(F) * x.code_sum[(r0 + r) * x.blocks + b]);
           sums[r] = _mm512_dpbusd_epi32(k == 0 ? start : sums[r], low, input_word_512(x, r0 + r, b, k));
           second[r] = _mm512_dpbusd_epi32(k == 0 ? zero : second[r], high, input_word_512(x, r0 + r, b, 4 + k));
         }

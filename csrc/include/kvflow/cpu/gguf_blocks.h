@@ -81,6 +81,11 @@ KVFLOW_HOST_DEVICE constexpr bool has_offset(QuantFormat f) {
   return f == QuantFormat::kQ4_1 || f == QuantFormat::kQ5_1 || f == QuantFormat::kQ4_K || f == QuantFormat::kQ5_K;
 }
 
+// What the 4- and 5-bit formats without an offset take off their stored codes: w = d (q - centre).
+KVFLOW_HOST_DEVICE constexpr int code_centre(QuantFormat f) {
+  return f == QuantFormat::kQ4_0 ? 8 : f == QuantFormat::kQ5_0 ? 16 : 0;
+}
+
 // Little-endian fields at any byte offset (blocks are not aligned).
 KVFLOW_HOST_DEVICE uint16_t block_half_bits(const uint8_t* p) { return uint16_t(p[0] | (p[1] << 8)); }
 
@@ -155,10 +160,9 @@ KVFLOW_HOST_DEVICE void chunk_codes(QuantFormat f, const uint8_t* block, int c, 
     case QuantFormat::kQ4_0:
     case QuantFormat::kQ4_1: {
       const uint8_t* nibbles = block + (f == QuantFormat::kQ4_1 ? 4 : 2);
-      const int centre = f == QuantFormat::kQ4_0 ? 8 : 0;
       for (int j = 0; j < 16; ++j) {
-        code[j] = int8_t((nibbles[j] & 0xF) - centre);
-        code[j + 16] = int8_t((nibbles[j] >> 4) - centre);
+        code[j] = int8_t((nibbles[j] & 0xF) - code_centre(f));
+        code[j + 16] = int8_t((nibbles[j] >> 4) - code_centre(f));
       }
       return;
     }
@@ -167,10 +171,9 @@ KVFLOW_HOST_DEVICE void chunk_codes(QuantFormat f, const uint8_t* block, int c, 
       const int header = f == QuantFormat::kQ5_1 ? 4 : 2;
       const uint32_t high = block_word(block + header);
       const uint8_t* nibbles = block + header + 4;
-      const int centre = f == QuantFormat::kQ5_0 ? 16 : 0;
       for (int j = 0; j < 16; ++j) {
-        code[j] = int8_t(((nibbles[j] & 0xF) | (((high >> j) & 1) << 4)) - centre);
-        code[j + 16] = int8_t(((nibbles[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) - centre);
+        code[j] = int8_t(((nibbles[j] & 0xF) | (((high >> j) & 1) << 4)) - code_centre(f));
+        code[j + 16] = int8_t(((nibbles[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) - code_centre(f));
       }
       return;
     }
@@ -217,8 +220,8 @@ KVFLOW_HOST_DEVICE void dequantize_chunk(QuantFormat f, const uint8_t* block, in
 // of the weights w = d q + m with the quantized activations, and its error sums w_j (x'_j - x_j),
 // whose weights are centred on zero; with the exact sum it would sum d q_j (x'_j - x_j), whose
 // weights are not, and the product's error nearly doubles.
-// code_sum[i] is the sum of chunk i's codes as an integer, for kernels that bias the weights'
-// signed codes to unsigned and take the bias back out exactly.
+// code_sum[i] is the sum of chunk i's codes as an integer: the interleaved kernels take the
+// weights' bias (Q8_0's w + 128) or centre (code_centre) back out of their integer sums with it.
 struct QuantizedRows {
   const int8_t* q;
   const float* scale_sum;

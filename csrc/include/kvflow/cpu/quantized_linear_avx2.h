@@ -249,9 +249,6 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   // products add in two chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel
   // back (docs/benchmarks.md).
   constexpr bool kTwoChains = !kSigned && Dot::kSums32 && kRows <= 2;
-  // Q4_0 and Q5_0 store w = d (q - 8) and d (q - 16): their sums take 8 or 16 times the input's
-  // code sum off in integers, and only Q4_1 and Q5_1 add an offset in float.
-  constexpr int32_t kCentre = kFifthBit ? 16 : 8;
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
@@ -326,9 +323,10 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
       if constexpr (kTwoChains) {
         for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], partial_high[r]);
       }
-      if constexpr (!has_offset(F)) {  // the codes' centre, in integers
+      // Q4_0 and Q5_0 take their codes' centre off in integers; Q4_1 and Q5_1 add an offset in float.
+      if constexpr (!has_offset(F)) {
         for (int r = 0; r < kRows; ++r) {
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_set1_epi32(-kCentre * x.code_sum[(r0 + r) * x.blocks + b]));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_set1_epi32(-code_centre(F) * x.code_sum[(r0 + r) * x.blocks + b]));
         }
       }
     }
