@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from kvflow import LLM, SamplingParams, platform
+from kvflow.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.loader import load_model, resolve_model_path
@@ -103,6 +104,8 @@ def main():
     parser.add_argument("--requantize", default=None, metavar="TYPE",
                         help="measure the model requantized to this GGML type (Q8_0, Q4_0, ...) by llama-quantize")
     parser.add_argument("--llama-quantize", default="llama-quantize", help="llama.cpp's llama-quantize, for --requantize")
+    parser.add_argument("--num-scheduler-steps", type=int, default=OFFLINE_SCHEDULER_STEPS,
+                        help="decode steps per schedule, both engines (LLM's default; 1: a step at a time)")
     args = parser.parse_args()
     if args.requantize:
         with tempfile.TemporaryDirectory() as directory:
@@ -127,7 +130,7 @@ def measure(args) -> None:
     engines = {}
     for name, dequantize in (("quantized", False), ("bf16", True)):
         engines[name] = LLM(args.model, dtype="bfloat16", enable_prefix_caching=False, kv_cache_memory=1 << 30,
-                            dequantize_weights=dequantize)
+                            dequantize_weights=dequantize, num_scheduler_steps=args.num_scheduler_steps)
     weight_bytes = {name: weights_read_per_token(llm.engine.runner.model)
                     for name, llm in engines.items()}
     kv_bytes = {name: kv_read_per_token(llm, 128, 128) for name, llm in engines.items()}
@@ -161,7 +164,8 @@ def measure(args) -> None:
     lines = [
         f"{resolve_model_path(args.model).rsplit('/', 1)[-1]}: quantized weights ({weight_bytes['quantized'] / 1e6:.0f} MB) "
         f"against the same dequantized to bf16 ({weight_bytes['bf16'] / 1e6:.0f} MB), one process, in turns; "
-        f"{cpu.model} ({cpu.isa} kernels), {torch.get_num_threads()} threads, torch {torch.__version__}",
+        f"{cpu.model} ({cpu.isa} kernels), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"{args.num_scheduler_steps} decode steps per schedule",
         "",
         "| round | GB/s | quantized TTFT (ms) | bf16 TTFT (ms) | TTFT ratio | quantized TPOT (ms) | bf16 TPOT (ms) "
         "| TPOT ratio | quantized / its floor | with KV | bf16 / its floor | quantized offline tok/s "

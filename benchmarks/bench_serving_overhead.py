@@ -31,7 +31,8 @@ def main():
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.concurrency)
+    # A step per schedule, as the server runs: what separates the two is then the HTTP path.
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.concurrency, num_scheduler_steps=1)
     requests = random_requests(llm.tokenizer, args.requests, 144, args.output_len, 0.78, seed=0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([r.prompt for r in requests[:2]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from kvflow import LLM, SamplingParams, platform
+from kvflow.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 from timing import kv_read_per_token, read_bandwidth, weights_read_per_token, write_markdown
 
 
@@ -112,16 +113,19 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: torch's)")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--contention", action="store_true", help="also TPOT beside a pinned busy loop")
+    parser.add_argument("--num-scheduler-steps", type=int, default=OFFLINE_SCHEDULER_STEPS,
+                        help="kvflow's decode steps per schedule (LLM's default; 1: a step at a time)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()
     cpu = platform.current()
-    llm = LLM(args.model, kv_cache_memory=1 << 30)
+    llm = LLM(args.model, kv_cache_memory=1 << 30, num_scheduler_steps=args.num_scheduler_steps)
     weight_bytes = weights_read_per_token(llm.engine.runner.model)
     kv_bytes = kv_read_per_token(llm, 128, 128)
     header = [f"kvflow vs llama.cpp, {cpu.model} ({cpu.isa} kernels; features: "
               f"{', '.join(f for f, on in cpu.features.items() if on)}), {torch.get_num_threads()} threads, "
-              f"kvflow {llm.engine.config.dtype} against llama.cpp on {os.path.basename(args.gguf)}; "
+              f"kvflow {llm.engine.config.dtype} ({args.num_scheduler_steps} decode steps per schedule) against "
+              f"llama.cpp on {os.path.basename(args.gguf)}; "
               f"{weight_bytes / 1e6:.0f} MB of weights and {kv_bytes / 1e6:.1f} MB of KV cache read per token", ""]
     columns = ["round", "GB/s", "floor ms", "kvflow TPOT", "llama.cpp TPOT", "kvflow / floor", "with KV", "kvflow / llama.cpp TPOT",
                "kvflow TTFT", "llama.cpp TTFT", "kvflow / llama.cpp TTFT"]

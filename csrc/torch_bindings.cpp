@@ -12,6 +12,7 @@
 #include "block_allocator.h"
 #include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/kernel_table.h"
+#include "cpu/decode_steps.h"
 #include "cpu/executor.h"
 #include "ops.h"
 
@@ -202,6 +203,24 @@ first, so a bad step raises before anything is written.)doc")
            py::call_guard<py::gil_scoped_release>())
       .def("__len__", &CpuProgram::size)
       .def_property_readonly("replays", &CpuProgram::replays, "How many times run has replayed the program.");
+  m.def(
+      "run_decode_steps",
+      [](CpuProgram& program, at::Tensor token_ids, at::Tensor positions, at::Tensor slot_mapping, at::Tensor seq_lens,
+         at::Tensor block_tables, at::Tensor offsets, at::Tensor sampled, int64_t rows, int64_t steps,
+         int64_t block_size, int64_t max_seq_len, at::Tensor stop_token_ids, at::Tensor tokens_out) {
+        return kvflow::cpu::run_decode_steps(
+            program, {token_ids, positions, slot_mapping, seq_lens, block_tables, offsets, sampled}, rows, steps,
+            block_size, max_seq_len, stop_token_ids, tokens_out);
+      },
+      py::arg("program"), py::arg("token_ids"), py::arg("positions"), py::arg("slot_mapping"), py::arg("seq_lens"),
+      py::arg("block_tables"), py::arg("offsets"), py::arg("sampled"), py::arg("rows"), py::arg("steps"),
+      py::arg("block_size"), py::arg("max_seq_len"), py::arg("stop_token_ids"), py::arg("tokens_out"),
+      py::call_guard<py::gil_scoped_release>(), R"doc(
+Runs up to `steps` decode steps of a program back to back (csrc/cpu/decode_steps.h): the buffers
+hold the first step's inputs of its first `rows` rows; each later step feeds every row the token it
+sampled, one position on; they end early once every row has drawn one of stop_token_ids. Writes the
+sampled tokens to tokens_out [steps, rows] and returns each step run's end in seconds before the
+last one's (as many as steps ran).)doc");
 
   m.def("supported_cpu_isas", &kvflow::cpu::supported_isas,
         "Instruction sets the CPU kernels can use on this machine, narrowest first.");

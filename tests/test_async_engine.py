@@ -15,7 +15,8 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Wa
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_num_seqs=8)
+    # A step per output, as the engine a server runs (EngineConfig's default; LLM's own is 8).
+    return LLM(dtype="float32", max_num_seqs=8, num_scheduler_steps=1)
 
 
 async def collect(engine, request_id, prompt, params=GREEDY, stop_after=None):

@@ -38,6 +38,9 @@ class EngineConfig:
                                           # the step fails and the engine stops (a rank died or hangs)
     batch_invariant: bool = False         # CPU: each row's logits bit-equal at any batch size, slower
                                           # (process-wide: kvflow.platform.set_batch_invariant)
+    num_scheduler_steps: int = 1          # CPU: decode steps run back to back per schedule while every
+                                          # request decodes and none waits (vLLM's multi-step); outputs
+                                          # then come that many tokens at a time
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -58,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout must be positive seconds, got {self.tensor_parallel_timeout}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if isinstance(self.num_scheduler_steps, bool) or not isinstance(self.num_scheduler_steps, int) \
+                or self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be a positive integer, got {self.num_scheduler_steps!r}")
 
     @property
     def on_cuda(self) -> bool:

@@ -134,6 +134,12 @@ class DecodeStepResult:
     needs_logits: bool      # some request asks for log-probabilities, penalties or a grammar mask
 
 
+@dataclass
+class DecodeStepsResult:
+    token_ids: list[list[int]]  # per request, one token a step run
+    seconds_before_last: list[float]  # each step's end, before the last one's
+
+
 def capture(fn) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], CapturedStep | None, str | None]:
     """Runs fn() (which returns a tensor or a tuple of them) op by op while recording it. Returns
     its result, and the program that replays it (None where it cannot be captured, with the
@@ -277,6 +283,30 @@ class CpuDecodePrograms:
             token_ids = self.token_views[rows][:n].tolist()
         return DecodeStepResult(logits if n == rows else logits[:n], token_ids, static.needs_logits)
 
+    def run_steps(self, requests: list, steps: int, stop_token_ids: list[int]) -> "DecodeStepsResult | None":
+        """Up to `steps` decode steps of requests that each bring one token and no drafts, run
+        back to back in C++ (kvflow._C.run_decode_steps): each step's sampled tokens are the next
+        step's input; they end early once every request has drawn one of stop_token_ids. Their
+        block tables must hold blocks for every step's position. None where the batch's class has
+        no program yet, or some row asks for logits (log-probabilities, penalties, a grammar):
+        nothing was run then."""
+        rows = program_batch_size(len(requests))
+        captured = self.programs.get(rows)
+        if captured is None or steps < 2:
+            return None
+        static = self._static_inputs(rows)
+        max_seq_len = static.fill(requests, self.block_size, self.max_seq_len, steps)
+        if max_seq_len is None or static.needs_logits:
+            return None
+        n = len(requests)
+        tokens = torch.empty((steps, n), dtype=torch.int64)
+        m = static.metadata
+        before_last = _C.run_decode_steps(captured.program, static.token_ids, m.positions, m.slot_mapping, m.seq_lens,
+                                          m.block_tables, static.offsets, captured.outputs[1], n, steps,
+                                          self.block_size, self.max_seq_len,
+                                          torch.tensor(stop_token_ids, dtype=torch.int64), tokens)
+        return DecodeStepsResult(tokens[:len(before_last)].t().tolist(), before_last)
+
     @property
     def replays(self) -> int:
         return sum(c.program.replays for c in self.programs.values() if c is not None)
@@ -312,9 +342,11 @@ class _StaticInputs:
         self._sampling_of: list = []  # (SamplingParams, seed, needs logits) of each of those rows
         self.needs_logits = False     # of the last step filled
 
-    def fill(self, requests: list, block_size: int, max_seq_len: int) -> int | None:
+    def fill(self, requests: list, block_size: int, max_seq_len: int, steps: int = 1) -> int | None:
         """Writes the step's rows (padding after them) and returns its longest context, or None
-        where a request is not decoding (one new token and its drafts, a token due). A request
+        where a request is not decoding (one new token and its drafts, a token due). With steps
+        above 1 (requests without drafts), each row's block table is written for the positions of
+        all those steps (see run_steps). A request
         with drafts takes a row per new token: row j at position computed + j attends over the
         keys up to its own, which every layer has written before any attention reads them, and
         draws at output index len(output) + j: its own decode step, in effect. Each row's sampling
@@ -336,16 +368,17 @@ class _StaticInputs:
                     return None
                 for j, token in enumerate(new_tokens):
                     position = r.num_computed_tokens + j
-                    blocks = position // block_size + 1
-                    if position >= max_seq_len:
-                        raise ValueError(f"a request of {position + 1} tokens exceeds the model's context of "
+                    last = position + steps - 1  # the position of the row's last step
+                    blocks = last // block_size + 1
+                    if last >= max_seq_len:
+                        raise ValueError(f"a request of {last + 1} tokens exceeds the model's context of "
                                          f"{max_seq_len}")
                     if blocks > len(table):
-                        raise ValueError(f"request {index}: seq_len {position + 1} needs {blocks} blocks, its block "
+                        raise ValueError(f"request {index}: seq_len {last + 1} needs {blocks} blocks, its block "
                                          f"table has {len(table)}")
                     ids[i] = token
                     positions[i] = position
-                    slots[i] = table[blocks - 1] * block_size + position % block_size
+                    slots[i] = table[position // block_size] * block_size + position % block_size
                     seq_lens[i] = position + 1
                     tables[i, :blocks] = table if blocks == len(table) else table[:blocks]
                     offsets[i] = len(r.output_token_ids) + j

@@ -354,10 +354,17 @@ class LLMEngine:
             batch.append(ScheduledRequest(tokens + drafts if drafts else tokens, start, seq.block_table,
                                           seq.params if s.samples else None, seq.seed, seq.prompt_token_ids,
                                           seq.output_token_ids, seq.grammar if s.samples else None, drafts))
+        steps = self._decode_steps(plan)
         governor = self.cpu_threads
         one_thread = governor is not None and governor.begin_step()
         try:
-            sampled = self.runner.execute(batch, plan.copies)
+            ran = self.runner.execute_steps(batch, steps, self._stop_token_ids(plan)) if steps > 1 else None
+            if ran is None:
+                sampled, seconds_before_last = self.runner.execute(batch, plan.copies), None
+            else:
+                sampled, seconds_before_last = ran
+            for s in plan.scheduled:  # the steps that ran (their blocks stay reserved)
+                s.num_steps = 1 if ran is None else len(seconds_before_last)
         except BaseException as error:
             # Every request's input was checked when it was added, so this is the engine's own
             # fault (a kernel error, or an interrupt). The step's keys and values are half
@@ -378,6 +385,8 @@ class LLMEngine:
             if governor is not None:
                 governor.end_step(one_thread)
         now = time.perf_counter()
+        # Each token's time: the end of the step that drew it.
+        token_times = None if seconds_before_last is None else [now - before for before in seconds_before_last]
         advanced = []
         for s, tokens in zip(plan.scheduled, sampled):
             if tokens is None:
@@ -387,7 +396,7 @@ class LLMEngine:
                 s.num_accepted_tokens = len(tokens) - 1
                 self.speculator.record(seq, s.num_draft_tokens, s.num_accepted_tokens)
             if seq.times.first_token is None:
-                seq.times.first_token = now
+                seq.times.first_token = now if token_times is None else token_times[0]
             advanced.append((self._requests[seq.request_id].samples[seq.index], tokens))
         self.scheduler.on_step_done(plan.scheduled)
         touched: dict[str, _Request] = {}
@@ -395,7 +404,7 @@ class LLMEngine:
             request = self._requests[sample.seq.request_id]
             if sample.seq.index == 0 and request.unforked:
                 self._fork(request)
-            self._advance(sample, now, tokens)
+            self._advance(sample, now, tokens, token_times)
             touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()
                    if request.finished or request.samples[0].seq.params.output_kind == "cumulative"]
@@ -406,6 +415,34 @@ class LLMEngine:
                 del self._requests[request.request_id]
                 self._finished_requests[request.samples[0].seq.status.value] += 1
         return outputs
+
+    def _decode_steps(self, plan) -> int:
+        """How many decode steps the plan runs back to back (num_scheduler_steps; their blocks
+        reserved now): 1 unless every scheduled sequence decodes one token it samples, nobody
+        waits to be admitted, and no row needs a step of its own (drafts, block copies,
+        log-probabilities, penalties, a grammar); never past a request's max_tokens or the
+        context. Tokens drawn after one that ends a request are dropped."""
+        steps = self.config.num_scheduler_steps
+        if steps < 2 or self.speculator is not None or self.num_queued_samples or plan.copies or plan.preempted:
+            return 1
+        for s in plan.scheduled:
+            seq = s.seq
+            if s.num_new_tokens != 1 or s.num_draft_tokens or not s.samples or seq.grammar is not None \
+                    or seq.params.needs_logits:
+                return 1
+            steps = min(steps, seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
+        return steps if steps > 1 and self.scheduler.reserve_steps(plan, steps) else 1
+
+    def _stop_token_ids(self, plan) -> list[int]:
+        """The tokens that would end some scheduled request: once every request has drawn one,
+        the rest of a multi-step run would be dropped."""
+        ids = set()
+        for s in plan.scheduled:
+            params = s.seq.params
+            ids.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids.update(self.tokenizer.stop_token_ids)
+        return sorted(ids)
 
     def _die(self, reason: str) -> None:
         """After a rank failed: every request in flight ends (finish_reason "abort"), the other
@@ -425,13 +462,15 @@ class LLMEngine:
         self._unforked_samples -= len(request.unforked)
         request.unforked = []
 
-    def _advance(self, sample: _Sample, now: float, tokens: list[SampledToken]) -> None:
+    def _advance(self, sample: _Sample, now: float, tokens: list[SampledToken],
+                 token_times: list[float] | None = None) -> None:
         """Appends the sample's new tokens one by one, detokenizing each and applying the stop
-        conditions after it; the tokens after one that ends the sample are dropped."""
+        conditions after it; the tokens after one that ends the sample are dropped. token_times:
+        each token's own time, where the step ran several decode steps (else all are now)."""
         seq = sample.seq
-        for token in tokens:
+        for j, token in enumerate(tokens):
             seq.output_token_ids.append(token.token_id)
-            seq.times.token_times.append(now)
+            seq.times.token_times.append(now if token_times is None else token_times[j])
             if sample.logprobs is not None:
                 entry = {token.token_id: token.logprob}
                 entry.update({t: lp for t, lp in token.top_logprobs or []})

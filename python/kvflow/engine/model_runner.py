@@ -118,6 +118,20 @@ class ModelRunner:
         with torch.inference_mode():
             return self._execute_op_by_op(requests)
 
+    def execute_steps(self, requests: list[ScheduledRequest], steps: int,
+                      stop_token_ids: list[int]) -> tuple[list[list[SampledToken]], list[float]] | None:
+        """Runs up to `steps` decode steps back to back on a CPU program (cpu_programs.run_steps),
+        for requests that each bring one token, no drafts and no block copies, with blocks for
+        every step's position; fewer once every request has drawn one of stop_token_ids. Returns
+        each request's tokens, one a step run, and each step's end in seconds before the last
+        one's; None where no program can run them (nothing was run)."""
+        if self.ranks is not None or self.cpu_programs is None:
+            return None
+        result = self.cpu_programs.run_steps(requests, steps, stop_token_ids)
+        if result is None:
+            return None
+        return [[SampledToken(t) for t in tokens] for tokens in result.token_ids], result.seconds_before_last
+
     def _execute_op_by_op(self, requests: list[ScheduledRequest]) -> list[list[SampledToken] | None]:
         """A step the model runs op by op (or a CUDA graph replays)."""
         self._check(requests)

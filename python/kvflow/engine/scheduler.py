@@ -36,6 +36,7 @@ class ScheduledSequence:
     num_new_tokens: int       # including the draft tokens
     num_draft_tokens: int = 0  # speculative decoding: seq.draft_token_ids, the last of the new tokens
     num_accepted_tokens: int = 0  # of those drafts, set by the engine after the step
+    num_steps: int = 1         # decode steps run back to back (reserve_steps), a token each
 
     @property
     def samples(self) -> bool:
@@ -202,16 +203,32 @@ class Scheduler:
             parent = self.allocator.hash_block(parent, tokens[b * self.config.block_size:(b + 1) * self.config.block_size])
             seq.block_hashes.append(parent)
 
+    def reserve_steps(self, plan: SchedulerOutput, steps: int) -> bool:
+        """Multi-step decode: the blocks for `steps` tokens of every scheduled sequence (each
+        decoding one token, its first block already reserved), taken only where the pool has them
+        all without preempting anyone and none is shared. Each ScheduledSequence then covers that
+        many steps; else nothing changes and False."""
+        if any(self._shared_blocks(s.seq, steps) for s in plan.scheduled):
+            return False
+        missing = [self._missing_blocks(s.seq, steps) for s in plan.scheduled]
+        if not self.allocator.can_allocate(sum(missing)):
+            return False
+        for s, count in zip(plan.scheduled, missing):
+            if count:
+                s.seq.block_table += self.allocator.allocate(count)
+            s.num_steps = steps
+        return True
+
     # ------------------------------------------------------------------ after the step
 
     def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
-        """Advance every scheduled sequence past the tokens just computed (the engine has already
-        appended any sampled token). Of a sequence's drafts, only the accepted ones count: the
+        """Advance every scheduled sequence past the tokens just computed (the engine appends the
+        sampled tokens after). Of a sequence's drafts, only the accepted ones count: the
         rejected ones' keys and values are left behind, and the blocks that hold nothing else
         go back to the pool."""
         for s in scheduled:
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens + s.num_accepted_tokens
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens + s.num_accepted_tokens + s.num_steps - 1
             seq.draft_token_ids = []
             if s.num_draft_tokens and seq.block_table:
                 keep = self._blocks_for(seq.num_computed_tokens)
@@ -220,8 +237,12 @@ class Scheduler:
                     del seq.block_table[keep:]
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Ends seq (stopped, length or aborted) and frees its blocks now."""
+        """Ends seq (stopped, length or aborted) and frees its blocks now; the full blocks of a
+        sequence that ended well stay in the prefix cache (those a multi-step run filled since
+        its schedule too)."""
         if seq in self.running:
+            if status is not SequenceStatus.FINISHED_ABORTED:
+                self._register_full_blocks(seq, seq.num_computed_tokens)
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

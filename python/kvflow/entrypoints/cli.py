@@ -54,6 +54,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     parser.add_argument("--batch-invariant", action="store_true",
                         help="CPU: every row's logits bit-equal whatever the batch (slower; process-wide)")
+    parser.add_argument("--num-scheduler-steps", type=positive_int, default=1,
+                        help="CPU: decode steps run back to back per schedule while every request decodes and "
+                        "none waits (outputs then come that many tokens at a time)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes")

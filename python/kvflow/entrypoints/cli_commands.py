@@ -23,6 +23,7 @@ def build_engine_config(args) -> EngineConfig:
                         dequantize_weights=args.dequantize_weights,
                         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+                        num_scheduler_steps=args.num_scheduler_steps,
                         tensor_parallel_size=args.tensor_parallel_size,
                         tensor_parallel_timeout=args.tensor_parallel_timeout,
                         seed=args.seed if args.seed is not None else 0)
