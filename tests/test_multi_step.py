@@ -165,6 +165,25 @@ def test_requests_that_need_a_step_of_their_own_get_it(llm):
     assert calls[0] == (1 + 11) + (1 + 2)
 
 
+def test_without_cpu_programs_no_blocks_are_reserved_ahead():
+    """enforce_eager (and CUDA, and tensor parallelism) run no programs: a schedule takes one step
+    and reserves only its own block, the same tokens as ever."""
+    eager = LLM(enforce_eager=True, kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    assert eager.engine.config.num_scheduler_steps == STEPS and not eager.engine.runner.runs_several_steps
+    reserved = []  # blocks in the request's table as each step runs
+    execute = eager.engine.runner.execute
+
+    def recording(batch, block_copies=None):
+        reserved.append(len(batch[0].block_table))
+        return execute(batch, block_copies)
+
+    eager.engine.runner.execute = recording
+    prompt = list(range(1000, 1015))  # 15 tokens: the 2nd block is needed at the 2nd decode step
+    out = eager.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert reserved == [1, 1, 2, 2]  # had a run's blocks been taken, the 2nd step would hold 2
+
+
 def test_a_failed_run_ends_its_requests_and_the_engine_goes_on(llm):
     """A fault inside a multi-step run ends that schedule's requests with the error, counted, and
     frees their blocks (the run's reserved ones too); the next request gets its usual output."""

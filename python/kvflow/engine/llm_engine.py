@@ -423,7 +423,8 @@ class LLMEngine:
         log-probabilities, penalties, a grammar); never past a request's max_tokens or the
         context. Tokens drawn after one that ends a request are dropped."""
         steps = self.config.num_scheduler_steps
-        if steps < 2 or self.speculator is not None or self.num_queued_samples or plan.copies or plan.preempted:
+        if steps < 2 or not self.runner.runs_several_steps or self.speculator is not None or self.num_queued_samples \
+                or plan.copies or plan.preempted:
             return 1
         for s in plan.scheduled:
             seq = s.seq

@@ -118,6 +118,11 @@ class ModelRunner:
         with torch.inference_mode():
             return self._execute_op_by_op(requests)
 
+    @property
+    def runs_several_steps(self) -> bool:
+        """Whether execute_steps can run here: CPU programs, one process."""
+        return self.ranks is None and self.cpu_programs is not None
+
     def execute_steps(self, requests: list[ScheduledRequest], steps: int,
                       stop_token_ids: list[int]) -> tuple[list[list[SampledToken]], list[float]] | None:
         """Runs up to `steps` decode steps back to back on a CPU program (cpu_programs.run_steps),
@@ -125,7 +130,7 @@ class ModelRunner:
         every step's position; fewer once every request has drawn one of stop_token_ids. Returns
         each request's tokens, one a step run, and each step's end in seconds before the last
         one's; None where no program can run them (nothing was run)."""
-        if self.ranks is not None or self.cpu_programs is None:
+        if not self.runs_several_steps:
             return None
         result = self.cpu_programs.run_steps(requests, steps, stop_token_ids)
         if result is None:
