@@ -76,7 +76,10 @@ def test_same_tokens_as_one_step_at_a_time(llm):
               SamplingParams(temperature=0, max_tokens=50, stop=["."]),
               SamplingParams(temperature=0.7, max_tokens=64, seed=11, ignore_eos=True)]
     single = generate_with_steps(llm, 1, prompts, params)
+    replays, calls = llm.engine.runner.cpu_programs.replays, counted_steps(llm.engine)
     several = generate_with_steps(llm, STEPS, prompts, params)
+    del llm.engine.step
+    assert calls[0] < llm.engine.runner.cpu_programs.replays - replays  # some schedules ran several steps
     for one, many in zip(single, several):
         assert many.outputs[0].token_ids == one.outputs[0].token_ids
         assert many.outputs[0].text == one.outputs[0].text
@@ -151,7 +154,8 @@ def test_requests_that_need_a_step_of_their_own_get_it(llm):
     several = generate_with_steps(llm, STEPS, prompts, params)
     for one, many in zip(single, several):
         assert many.outputs[0].token_ids == one.outputs[0].token_ids
-        assert len(many.outputs[0].logprobs) == 12
+        assert many.outputs[0].logprobs == one.outputs[0].logprobs  # every step's own, none missing
+        assert all(None not in step.values() for step in many.outputs[0].logprobs)
     calls = counted_steps(llm.engine)
     llm.engine.scheduler.config.max_num_seqs = 1
     try:
@@ -169,7 +173,7 @@ def test_without_cpu_programs_no_blocks_are_reserved_ahead():
     """enforce_eager (and CUDA, and tensor parallelism) run no programs: a schedule takes one step
     and reserves only its own block, the same tokens as ever."""
     eager = LLM(enforce_eager=True, kv_cache_memory=8 << 20, enable_prefix_caching=False)
-    assert eager.engine.config.num_scheduler_steps == STEPS and not eager.engine.runner.runs_several_steps
+    assert eager.engine.config.num_scheduler_steps == STEPS and not eager.engine.runner.runs_several_steps(1)
     reserved = []  # blocks in the request's table as each step runs
     execute = eager.engine.runner.execute
 

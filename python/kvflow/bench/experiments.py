@@ -68,6 +68,8 @@ def _engine_flags(args) -> list[str]:
         flags += ["--speculative-config", args.speculative_config]
     if args.batch_invariant:
         flags.append("--batch-invariant")
+    if args.num_scheduler_steps != 1:
+        flags += ["--num-scheduler-steps", str(args.num_scheduler_steps)]
     if args.tensor_parallel_size != 1:
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size),
                   "--tensor-parallel-timeout", str(args.tensor_parallel_timeout)]

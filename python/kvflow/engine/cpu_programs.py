@@ -283,6 +283,10 @@ class CpuDecodePrograms:
             token_ids = self.token_views[rows][:n].tolist()
         return DecodeStepResult(logits if n == rows else logits[:n], token_ids, static.needs_logits)
 
+    def has_program(self, num_requests: int) -> bool:
+        """Whether a decode of num_requests has its class's program captured (and not refused)."""
+        return self.programs.get(program_batch_size(num_requests)) is not None
+
     def run_steps(self, requests: list, steps: int, stop_token_ids: list[int]) -> "DecodeStepsResult | None":
         """Up to `steps` decode steps of requests that each bring one token and no drafts, run
         back to back in C++ (kvflow._C.run_decode_steps): each step's sampled tokens are the next

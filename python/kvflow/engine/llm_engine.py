@@ -418,13 +418,14 @@ class LLMEngine:
 
     def _decode_steps(self, plan) -> int:
         """How many decode steps the plan runs back to back (num_scheduler_steps; their blocks
-        reserved now): 1 unless every scheduled sequence decodes one token it samples, nobody
-        waits to be admitted, and no row needs a step of its own (drafts, block copies,
-        log-probabilities, penalties, a grammar); never past a request's max_tokens or the
-        context. Tokens drawn after one that ends a request are dropped."""
+        reserved now): 1 unless the runner has a CPU program for the batch, every scheduled
+        sequence decodes one token it samples, nobody waits to be admitted, and no row needs a
+        step of its own (drafts, block copies, log-probabilities, penalties, a grammar); never
+        past a request's max_tokens or the context. Tokens drawn after one that ends a request are
+        dropped."""
         steps = self.config.num_scheduler_steps
-        if steps < 2 or not self.runner.runs_several_steps or self.speculator is not None or self.num_queued_samples \
-                or plan.copies or plan.preempted:
+        if steps < 2 or not self.runner.runs_several_steps(len(plan.scheduled)) or self.speculator is not None \
+                or self.num_queued_samples or plan.copies or plan.preempted:
             return 1
         for s in plan.scheduled:
             seq = s.seq

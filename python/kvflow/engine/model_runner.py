@@ -118,10 +118,10 @@ class ModelRunner:
         with torch.inference_mode():
             return self._execute_op_by_op(requests)
 
-    @property
-    def runs_several_steps(self) -> bool:
-        """Whether execute_steps can run here: CPU programs, one process."""
-        return self.ranks is None and self.cpu_programs is not None
+    def runs_several_steps(self, num_requests: int) -> bool:
+        """Whether execute_steps can run a decode of num_requests here: CPU programs, one
+        process, and the batch's class already captured (its first step captures it)."""
+        return self.ranks is None and self.cpu_programs is not None and self.cpu_programs.has_program(num_requests)
 
     def execute_steps(self, requests: list[ScheduledRequest], steps: int,
                       stop_token_ids: list[int]) -> tuple[list[list[SampledToken]], list[float]] | None:
@@ -130,7 +130,7 @@ class ModelRunner:
         every step's position; fewer once every request has drawn one of stop_token_ids. Returns
         each request's tokens, one a step run, and each step's end in seconds before the last
         one's; None where no program can run them (nothing was run)."""
-        if not self.runs_several_steps:
+        if not self.runs_several_steps(len(requests)):
             return None
         result = self.cpu_programs.run_steps(requests, steps, stop_token_ids)
         if result is None:
