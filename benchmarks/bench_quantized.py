@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 from kvflow import LLM, SamplingParams, platform
-from kvflow.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 from kvflow.attention_metadata import AttentionMetadata
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.loader import load_model, resolve_model_path
@@ -104,8 +103,8 @@ def main():
     parser.add_argument("--requantize", default=None, metavar="TYPE",
                         help="measure the model requantized to this GGML type (Q8_0, Q4_0, ...) by llama-quantize")
     parser.add_argument("--llama-quantize", default="llama-quantize", help="llama.cpp's llama-quantize, for --requantize")
-    parser.add_argument("--num-scheduler-steps", type=int, default=OFFLINE_SCHEDULER_STEPS,
-                        help="decode steps per schedule, both engines (LLM's default; 1: a step at a time)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8,
+                        help="decode steps per schedule, both engines (kvflow's default is 1: a step at a time)")
     args = parser.parse_args()
     if args.requantize:
         with tempfile.TemporaryDirectory() as directory:

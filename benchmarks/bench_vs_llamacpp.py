@@ -34,7 +34,6 @@ from contextlib import contextmanager
 import torch
 
 from kvflow import LLM, SamplingParams, platform
-from kvflow.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 from timing import kv_read_per_token, read_bandwidth, weights_read_per_token, write_markdown
 
 
@@ -113,8 +112,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: torch's)")
     parser.add_argument("--no-offline", action="store_true")
     parser.add_argument("--contention", action="store_true", help="also TPOT beside a pinned busy loop")
-    parser.add_argument("--num-scheduler-steps", type=int, default=OFFLINE_SCHEDULER_STEPS,
-                        help="kvflow's decode steps per schedule (LLM's default; 1: a step at a time)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8,
+                        help="kvflow's decode steps per schedule (kvflow's default is 1: a step at a time)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     threads = args.threads or torch.get_num_threads()

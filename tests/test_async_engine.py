@@ -15,8 +15,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Wa
 
 @pytest.fixture(scope="module")
 def llm():
-    # A step per output, as the engine a server runs (EngineConfig's default; LLM's own is 8).
-    return LLM(dtype="float32", max_num_seqs=8, num_scheduler_steps=1)
+    return LLM(dtype="float32", max_num_seqs=8)
 
 
 async def collect(engine, request_id, prompt, params=GREEDY, stop_after=None):

@@ -26,8 +26,8 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def llm():
-    """The embedded model as LLM loads it (its quantized weights, num_scheduler_steps 8)."""
-    return LLM(kv_cache_memory=64 << 20)
+    """The embedded model as LLM loads it (its quantized weights), 8 decode steps a schedule."""
+    return LLM(kv_cache_memory=64 << 20, num_scheduler_steps=STEPS)
 
 
 def counted_steps(engine):
@@ -51,9 +51,8 @@ def generate_with_steps(llm, steps: int, prompts, params):
         llm.engine.config.num_scheduler_steps = STEPS
 
 
-def test_offline_llm_runs_several_steps_per_schedule(llm):
-    assert llm.engine.config.num_scheduler_steps == STEPS
-    assert EngineConfig().num_scheduler_steps == 1  # the engine and the server: a step at a time
+def test_several_steps_run_per_schedule(llm):
+    assert EngineConfig().num_scheduler_steps == 1  # the default: a step at a time
     calls = counted_steps(llm.engine)
     replays = llm.engine.runner.cpu_programs.replays
     out = llm.generate(["The capital of Italy is"], SamplingParams(temperature=0, max_tokens=33, ignore_eos=True),
@@ -90,7 +89,7 @@ def test_same_tokens_as_one_step_at_a_time(llm):
 def test_a_run_stops_at_the_models_context():
     """max_model_len 40: a run never draws past the context; the request ends there as with
     single steps."""
-    small = LLM(max_model_len=40, kv_cache_memory=8 << 20)
+    small = LLM(max_model_len=40, kv_cache_memory=8 << 20, num_scheduler_steps=STEPS)
     prompt = list(range(1000, 1029))  # 29 tokens: 11 more fit
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     single = generate_with_steps(small, 1, [prompt], params)[0].outputs[0]
@@ -172,7 +171,7 @@ def test_requests_that_need_a_step_of_their_own_get_it(llm):
 def test_without_cpu_programs_no_blocks_are_reserved_ahead():
     """enforce_eager (and CUDA, and tensor parallelism) run no programs: a schedule takes one step
     and reserves only its own block, the same tokens as ever."""
-    eager = LLM(enforce_eager=True, kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    eager = LLM(enforce_eager=True, kv_cache_memory=8 << 20, enable_prefix_caching=False, num_scheduler_steps=STEPS)
     assert eager.engine.config.num_scheduler_steps == STEPS and not eager.engine.runner.runs_several_steps(1)
     reserved = []  # blocks in the request's table as each step runs
     execute = eager.engine.runner.execute
@@ -227,7 +226,8 @@ def test_greedy_follows_transformers(tmp_path, smollm2_hf_tokenizer):
                 parameter.normal_(0.0, 0.1)
     reference.save_pretrained(tmp_path)
     smollm2_hf_tokenizer.save_pretrained(tmp_path)
-    engine = LLM(model=str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20)
+    engine = LLM(model=str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20,
+                 num_scheduler_steps=STEPS)
     calls = counted_steps(engine.engine)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 40, 150)]

@@ -33,9 +33,7 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Wa
 
 @pytest.fixture(scope="module")
 def served():
-    # A step per schedule, as `kvflow serve` runs (EngineConfig's default; LLM's own is 8).
-    llm = LLM(dtype="float32", max_num_seqs=64, max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20,
-              num_scheduler_steps=1)
+    llm = LLM(dtype="float32", max_num_seqs=64, max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     offline = {p: o.outputs[0] for p, o in zip(PROMPTS, llm.generate(PROMPTS, greedy, use_tqdm=False))}
     app = build_app(AsyncLLMEngine(llm.engine), MODEL, api_key=API_KEY)

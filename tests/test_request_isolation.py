@@ -291,7 +291,6 @@ def test_a_failed_async_step_fails_only_its_own_requests(llm, canary_solo, caplo
     engine = llm.engine
     failures = engine.stats()["step_failures"]
     real_execute = engine.runner.execute
-    steps_per_schedule = engine.config.num_scheduler_steps
     steps = []
 
     def faulty_third_step(batch, block_copies=None):
@@ -309,7 +308,6 @@ def test_a_failed_async_step_fails_only_its_own_requests(llm, canary_solo, caplo
     async def run():
         async_engine = AsyncLLMEngine(engine)
         engine.runner.execute = faulty_third_step
-        engine.config.num_scheduler_steps = 1  # the server's engine: a step per schedule (EngineConfig's default)
         try:
             long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
             victims = await asyncio.gather(*(stream(async_engine, f"victim-{i}", p, long)
@@ -318,7 +316,6 @@ def test_a_failed_async_step_fails_only_its_own_requests(llm, canary_solo, caplo
             return victims, after
         finally:
             engine.runner.execute = real_execute
-            engine.config.num_scheduler_steps = steps_per_schedule
             await async_engine.shutdown()
 
     with caplog.at_level("ERROR", logger="kvflow"):

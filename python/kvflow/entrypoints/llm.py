@@ -10,19 +10,13 @@ from kvflow.engine.outputs import RequestOutput
 from kvflow.engine.sampling_params import SamplingParams, SamplingParamsError, check_text
 
 
-# Decode steps per schedule offline, where every prompt is queued before the first step and
-# no output is streamed: the host's work between steps is then done once per this many.
-OFFLINE_SCHEDULER_STEPS = 8
-
-
 class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, **engine_options):
         """engine_options: the EngineConfig fields (max_num_seqs, max_num_batched_tokens,
         kv_cache_memory, gpu_memory_utilization, enforce_eager, max_model_len, block_size,
         enable_prefix_caching, threads, seed, device, dequantize_weights, speculative_config (a dict
         as vLLM spells it, e.g. {"method": "ngram", "num_speculative_tokens": 4}), batch_invariant,
-        num_scheduler_steps: OFFLINE_SCHEDULER_STEPS unless given)."""
-        engine_options.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
+        num_scheduler_steps)."""
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
