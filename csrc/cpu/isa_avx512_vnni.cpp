@@ -92,8 +92,11 @@ inline __m512i input_word_512(const QuantizedRows& x, int64_t row, int64_t chunk
 // and odd pieces, or low and high nibbles). Q8_0's signed codes go in biased to unsigned, w + 128,
 // one flip a piece for all rows where carrying w's sign to each row's input took one more
 // instruction a row and piece; the first chain starts from -128 times the input's code sum,
-// which takes the bias back out. The integer sums are exact and each lane's float steps are
-// interleaved_group_avx2's, so the results are bit-equal to two calls of it.
+// which takes the bias back out. At two rows Q4_0's and Q4_1's high nibbles stay in place, 16
+// times the code, their chain's sum shifted back once a block and row (as interleaved_group_avx2
+// does); from three rows those shifts cost more than the unpacking they save. The integer sums
+// are exact and each lane's float steps are interleaved_group_avx2's, so the results are
+// bit-equal to two calls of it.
 template <QuantFormat F, int kRows>
 void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, const QuantizedRows& x, int64_t r0,
                                    __m512* out) {
@@ -104,7 +107,8 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
   constexpr int64_t kAheadBytes = (kSigned ? 2 : 1) * kInterleavedAheadBytes;
-  const __m512i low4 = _mm512_set1_epi8(0xF), zero = _mm512_setzero_si512();
+  constexpr bool kHighInPlace = !kSigned && !kFifthBit && kRows <= 2;  // the second chain's sums carry a factor 16
+  const __m512i low4 = _mm512_set1_epi8(0xF), high4 = _mm512_set1_epi8(char(0xF0)), zero = _mm512_setzero_si512();
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -128,7 +132,8 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
         const __m512i piece = block.bytes32(kFirstPiece + 32 * k);
-        __m512i low = _mm512_and_si512(piece, low4), high = _mm512_and_si512(_mm512_srli_epi16(piece, 4), low4);
+        __m512i low = _mm512_and_si512(piece, low4);
+        __m512i high = kHighInPlace ? _mm512_and_si512(piece, high4) : _mm512_and_si512(_mm512_srli_epi16(piece, 4), low4);
         if constexpr (kFifthBit) {
           low = _mm512_or_si512(low, lane_fifth_bits_512(fifth, 4 * k));
           high = _mm512_or_si512(high, lane_fifth_bits_512(fifth, 16 + 4 * k));
@@ -147,7 +152,8 @@ void interleaved_group_pair_avx512(const uint8_t* group, int64_t group_bytes, co
     const __m512 m = has_offset(F) ? block.halves(16) : _mm512_setzero_ps();
     for (int r = 0; r < kRows; ++r) {
       const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + b);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
+      const __m512i high_sums = kHighInPlace ? _mm512_srai_epi32(second[r], 4) : second[r];
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], high_sums));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(scale_sum[0])), acc[r]);
       if constexpr (has_offset(F)) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(scale_sum[1]), acc[r]);
     }

@@ -238,7 +238,10 @@ constexpr int64_t kInterleavedAheadBytes = 6144;
 //   and add in 32 bits.
 // With 32-bit partials a block's products all add into one, and Q8_0's codes go in biased to
 // unsigned (w + 128, one flip a piece for all rows), the sum starting from -128 times the input
-// row's code sum: no sign carried to each row's input.
+// row's code sum: no sign carried to each row's input. Where Q4_0's and Q4_1's high nibbles have
+// a chain of their own (kTwoChains), they stay in place, masked but not shifted: each of their
+// products is 16 times the code's, so their sum is too, and an arithmetic shift by 4 of the sum
+// takes the factor out exactly, once a block rather than once a piece.
 template <QuantFormat F, int kRows, class Dot>
 void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr bool kSigned = F == QuantFormat::kQ8_0;
@@ -249,11 +252,12 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
   // products add in two chains: in one, a block's 8 dependent vpdpbusd held the few-row kernel
   // back (docs/benchmarks.md).
   constexpr bool kTwoChains = !kSigned && Dot::kSums32 && kRows <= 2;
+  constexpr bool kHighInPlace = kTwoChains && !kFifthBit;  // the high nibbles' sums carry a factor 16
   constexpr int64_t kBytes = quant_block_bytes(F), kHeader = interleaved_header_bytes(F);
   constexpr int64_t kFifthBits = kInterleavedRows * (kHeader - 4);  // the 8 rows' fifth bits: the header's last field
   constexpr int64_t kGroupBlock = kInterleavedRows * kBytes, kFirstPiece = kInterleavedRows * kHeader;
   constexpr int64_t kAheadBytes = (kSigned ? 2 : 1) * kInterleavedAheadBytes;  // about as many blocks ahead either way
-  const __m256i low4 = _mm256_set1_epi8(0xF);
+  const __m256i low4 = _mm256_set1_epi8(0xF), high4 = _mm256_set1_epi8(char(0xF0));
   __m256 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
@@ -302,7 +306,8 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
 #pragma GCC unroll 8
       for (int k = 0; k < kPieces; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFirstPiece + 32 * k));
-        __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+        __m256i low = _mm256_and_si256(piece, low4);
+        __m256i high = kHighInPlace ? _mm256_and_si256(piece, high4) : _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
         if constexpr (kFifthBit) {
           low = _mm256_or_si256(low, lane_fifth_bits(fifth, 4 * k));
           high = _mm256_or_si256(high, lane_fifth_bits(fifth, 16 + 4 * k));
@@ -321,7 +326,9 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
         }
       }
       if constexpr (kTwoChains) {
-        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], partial_high[r]);
+        for (int r = 0; r < kRows; ++r) {
+          sums[r] = _mm256_add_epi32(partial[r], kHighInPlace ? _mm256_srai_epi32(partial_high[r], 4) : partial_high[r]);
+        }
       }
       // Q4_0 and Q5_0 take their codes' centre off in integers; Q4_1 and Q5_1 add an offset in float.
       if constexpr (!has_offset(F)) {
