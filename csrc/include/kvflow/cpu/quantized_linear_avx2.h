@@ -359,12 +359,15 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
 // nibbles and chunk 2g + 1's in their high ones. The 8 chunks' scales and mins of the 8 rows
 // (k_scale_min, one row a 32-bit lane) are decoded once per block for every input row. With
 // 16-bit partials a chunk's pair sums add over its 8 pieces (Q4_K: at most 8 x 2 x 15 x 127 =
-// 30480), or over 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen.
+// 30480), or over 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen. With 32-bit sums and one
+// or two input rows, a chunk's even and odd pieces add in two chains, as interleaved_group_avx2's
+// nibbles do: one row of Q4_K was 6% faster so (docs/benchmarks.md).
 template <QuantFormat F, int kRows, class Dot>
 void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
   constexpr bool kFifthBit = F == QuantFormat::kQ5_K;
   constexpr int kPiecesPerSum = kFifthBit && !Dot::kSums32 ? 4 : 8;
+  constexpr bool kTwoChains = Dot::kSums32 && kRows <= 2;
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
   constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
   constexpr int64_t kAheadBytes = kInterleavedAheadBytes;
@@ -397,8 +400,9 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
     for (int j = 0; j < 8; ++j) {
       const int64_t chunk = 8 * b + j;
       const uint8_t* pieces = block + kPieces + 32 * 8 * (j / 2);
-      __m256i sums[kRows];  // 32-bit sums of the chunk
-      __m256i partial[kRows];  // sums of up to kPiecesPerSum pieces
+      __m256i sums[kRows];     // 32-bit sums of the chunk
+      __m256i partial[kRows];  // sums of up to kPiecesPerSum pieces (with kTwoChains, the even ones)
+      __m256i odd[kRows];      // with kTwoChains, the odd pieces' sums
       for (int k = 0; k < 8; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
         __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
@@ -409,12 +413,20 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
         for (int r = 0; r < kRows; ++r) {
           const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
           const __m256i input = _mm256_set1_epi32(int32_t(block_word(xq + 4 * k)));
+          if constexpr (kTwoChains) {
+            __m256i& chain = k % 2 == 0 ? partial[r] : odd[r];
+            chain = k < 2 ? Dot::first(codes, input) : Dot::add(chain, codes, input);
+            continue;
+          }
           partial[r] = k % kPiecesPerSum == 0 ? Dot::first(codes, input) : Dot::add(partial[r], codes, input);
           if (k % kPiecesPerSum == kPiecesPerSum - 1) {
             const __m256i widened = Dot::widen(partial[r]);
             sums[r] = k < kPiecesPerSum ? widened : _mm256_add_epi32(sums[r], widened);
           }
         }
+      }
+      if constexpr (kTwoChains) {
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], odd[r]);
       }
       // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
       for (int r = 0; r < kRows; ++r) {
