@@ -171,8 +171,8 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
   constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
   const __m512i low4 = _mm512_set1_epi8(0xF), low6 = _mm512_set1_epi32(63), zero = _mm512_setzero_si512();
-  __m512 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[kRows], min_acc[kRows];  // the scaled sums, and the mins apart: two chains
+  for (int r = 0; r < kRows; ++r) acc[r] = min_acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks / 8; ++b) {
     const GroupPairBlock block{group + b * kGroupBlock, group_bytes};
     block.prefetch(kInterleavedAheadBytes, kGroupBlock);
@@ -215,11 +215,11 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
         const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[j], _mm512_set1_ps(scale_sum[0])), acc[r]);
-        acc[r] = _mm512_fnmadd_ps(min[j], _mm512_set1_ps(scale_sum[1]), acc[r]);
+        min_acc[r] = _mm512_fmadd_ps(min[j], _mm512_set1_ps(scale_sum[1]), min_acc[r]);
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r] = acc[r];
+  for (int r = 0; r < kRows; ++r) out[r] = _mm512_sub_ps(acc[r], min_acc[r]);
 }
 
 // The pair kernel of format F.
