@@ -449,6 +449,57 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
 // 2k..2k+1 for its codes 4p..4p+3, centred by 32; its first and last 16 weights have scales 2c
 // and 2c + 1. The byte product takes |w| against x carrying w's sign, and a half chunk's 4
 // pieces add into one partial (in 16 bits: at most 4 x 2 x 32 x 127 = 32512) before it widens.
+// Input row r's sums of the codes in each half of a chunk (16 signed bytes each): biased by
+// 128 to unsigned, summed by vpsadbw in four eighths.
+inline void input_half_sums(const QuantizedRows& x, int64_t row, int64_t chunk, int32_t& first, int32_t& second) {
+  const auto* codes = reinterpret_cast<const __m256i*>(x.q + (row * x.blocks + chunk) * kQuantBlock);
+  const __m256i eighths = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(codes), _mm256_set1_epi8(char(0x80))),
+                                          _mm256_setzero_si256());
+  const __m128i low = _mm256_castsi256_si128(eighths), high = _mm256_extracti128_si256(eighths, 1);
+  first = int32_t(_mm_cvtsi128_si32(low) + _mm_extract_epi32(low, 2)) - 16 * 128;
+  second = int32_t(_mm_cvtsi128_si32(high) + _mm_extract_epi32(high, 2)) - 16 * 128;
+}
+
+// Chunk c of a Q6_K block of 8 interleaved rows (see interleaved_q6_k_group_avx2) with 32-bit
+// sums (vpdpbusd): the codes go in unsigned, 0..63, and each half's sum takes 32 times the
+// input's code sum back out, two instructions a piece fewer than carrying w's sign to the input.
+// Exact integer sums: the float steps, and so the results, are those of the other form.
+template <int kRows, class Dot>
+inline void q6_k_chunk_sums32(const uint8_t* pieces, const QuantizedRows& x, int64_t r0, int64_t chunk, int c,
+                              const float (*scale)[kInterleavedRows], __m256* acc) {
+  const int h = c / 4, k = c % 4;
+  const __m256i low4 = _mm256_set1_epi8(0xF), bits45 = _mm256_set1_epi8(0x30);
+  int32_t half_sums[kRows][2];
+  for (int r = 0; r < kRows; ++r) input_half_sums(x, r0 + r, chunk, half_sums[r][0], half_sums[r][1]);
+  for (int half = 0; half < 2; ++half) {
+    __m256i sums[kRows];
+#pragma GCC unroll 4
+    for (int p = 4 * half; p < 4 * half + 4; ++p) {
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (16 * h + 8 * (k % 2) + p)));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (32 + 8 * h + p)));
+      // Bits 2k..2k + 1 of each high byte moved to bits 4..5 (16-bit shifts by at most 4 bring
+      // no bits of the neighbouring byte into those two).
+      const __m256i top = k == 0 ? _mm256_slli_epi16(high, 4)
+                          : k == 1 ? _mm256_slli_epi16(high, 2)
+                          : k == 2 ? high
+                                   : _mm256_srli_epi16(high, 2);
+      const __m256i codes = _mm256_or_si256(_mm256_and_si256(k < 2 ? low : _mm256_srli_epi16(low, 4), low4),
+                                            _mm256_and_si256(top, bits45));
+      for (int r = 0; r < kRows; ++r) {
+        const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
+        const __m256i input = _mm256_set1_epi32(int32_t(block_word(xq + 4 * p)));
+        sums[r] = p == 4 * half ? Dot::first(codes, input) : Dot::add(sums[r], codes, input);
+      }
+    }
+    const __m256 row_scale = _mm256_load_ps(scale[2 * c + half]);
+    for (int r = 0; r < kRows; ++r) {
+      const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
+      const __m256i centred = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(32 * half_sums[r][half]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
+    }
+  }
+}
+
 template <int kRows, class Dot>
 void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
@@ -467,6 +518,11 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
       _mm256_store_ps(scale[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
     }
     const uint8_t* pieces = block + kPieces;
+    if constexpr (Dot::kSums32) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) q6_k_chunk_sums32<kRows, Dot>(pieces, x, r0, 8 * b + c, c, scale, acc);
+      continue;
+    }
     for (int c = 0; c < 8; ++c) {
       const int h = c / 4, k = c % 4;
       const int64_t chunk = 8 * b + c;
