@@ -193,6 +193,47 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
       scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
       min[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
     }
+    // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
+    auto add_chunk = [&](int j, const __m512i* sums) {
+      for (int r = 0; r < kRows; ++r) {
+        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + 8 * b + j);
+        const __m512 dot = _mm512_cvtepi32_ps(sums[r]);
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[j], _mm512_set1_ps(scale_sum[0])), acc[r]);
+        min_acc[r] = _mm512_fmadd_ps(min[j], _mm512_set1_ps(scale_sum[1]), min_acc[r]);
+      }
+    };
+    if constexpr (kRows <= 2) {
+      // A pair of chunks at once, as interleaved_k_group_avx2 does at one and two rows.
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const int64_t pieces = kPieces + 32 * 8 * g;
+        __m512i low_even[kRows], low_odd[kRows], high_even[kRows], high_odd[kRows];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m512i piece = block.bytes32(pieces + 32 * k);
+          __m512i low = _mm512_and_si512(piece, low4), high = _mm512_and_si512(_mm512_srli_epi16(piece, 4), low4);
+          if constexpr (kFifthBit) {
+            const __m512i fifth = block.bytes32(kFifthBits + 32 * k), one = _mm512_set1_epi8(1);
+            low = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(2 * g)), one), 4));
+            high = _mm512_or_si512(
+                high, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(2 * g + 1)), one), 4));
+          }
+          for (int r = 0; r < kRows; ++r) {
+            __m512i& chain_low = k % 2 == 0 ? low_even[r] : low_odd[r];
+            __m512i& chain_high = k % 2 == 0 ? high_even[r] : high_odd[r];
+            chain_low = _mm512_dpbusd_epi32(k < 2 ? zero : chain_low, low, input_word_512(x, r0 + r, 8 * b + 2 * g, k));
+            chain_high =
+                _mm512_dpbusd_epi32(k < 2 ? zero : chain_high, high, input_word_512(x, r0 + r, 8 * b + 2 * g + 1, k));
+          }
+        }
+        __m512i sums[kRows];
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm512_add_epi32(low_even[r], low_odd[r]);
+        add_chunk(2 * g, sums);
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm512_add_epi32(high_even[r], high_odd[r]);
+        add_chunk(2 * g + 1, sums);
+      }
+      continue;
+    }
     for (int j = 0; j < 8; ++j) {
       const int64_t chunk = 8 * b + j;
       const int64_t pieces = kPieces + 32 * 8 * (j / 2);
@@ -210,13 +251,8 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
           chain = _mm512_dpbusd_epi32(k < 2 ? zero : chain, codes, input_word_512(x, r0 + r, chunk, k));
         }
       }
-      // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
-      for (int r = 0; r < kRows; ++r) {
-        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[r], second[r]));
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[j], _mm512_set1_ps(scale_sum[0])), acc[r]);
-        min_acc[r] = _mm512_fmadd_ps(min[j], _mm512_set1_ps(scale_sum[1]), min_acc[r]);
-      }
+      for (int r = 0; r < kRows; ++r) sums[r] = _mm512_add_epi32(sums[r], second[r]);
+      add_chunk(j, sums);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = _mm512_sub_ps(acc[r], min_acc[r]);

@@ -399,12 +399,56 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
       _mm256_store_ps(scale[j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
       _mm256_store_ps(min[j], _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)));
     }
+    // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
+    auto add_chunk = [&](int j, const __m256i* sums) {
+      for (int r = 0; r < kRows; ++r) {
+        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + 8 * b + j);
+        const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_load_ps(scale[j]), _mm256_set1_ps(scale_sum[0])), acc[r]);
+        min_acc[r] = _mm256_fmadd_ps(_mm256_load_ps(min[j]), _mm256_set1_ps(scale_sum[1]), min_acc[r]);
+      }
+    };
+    if constexpr (kTwoChains) {
+      // A pair of chunks at once, each piece's low nibbles for the first and high ones for the
+      // second: four chains a row side by side, which the core overlaps better than the two of
+      // one chunk after another.
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const uint8_t* pieces = block + kPieces + 32 * 8 * g;
+        __m256i low_even[kRows], low_odd[kRows], high_even[kRows], high_odd[kRows];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
+          __m256i low = _mm256_and_si256(piece, low4), high = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low4);
+          if constexpr (kFifthBit) {
+            const __m256i fifth = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kFifthBits + 32 * k));
+            const __m256i one = _mm256_set1_epi8(1);
+            low = _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(shift_right(fifth, 2 * g), one), 4));
+            high = _mm256_or_si256(high, _mm256_slli_epi16(_mm256_and_si256(shift_right(fifth, 2 * g + 1), one), 4));
+          }
+          for (int r = 0; r < kRows; ++r) {
+            const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + 8 * b + 2 * g) * kQuantBlock);
+            const __m256i input_low = _mm256_set1_epi32(int32_t(block_word(xq + 4 * k)));
+            const __m256i input_high = _mm256_set1_epi32(int32_t(block_word(xq + kQuantBlock + 4 * k)));
+            __m256i& chain_low = k % 2 == 0 ? low_even[r] : low_odd[r];
+            __m256i& chain_high = k % 2 == 0 ? high_even[r] : high_odd[r];
+            chain_low = k < 2 ? Dot::first(low, input_low) : Dot::add(chain_low, low, input_low);
+            chain_high = k < 2 ? Dot::first(high, input_high) : Dot::add(chain_high, high, input_high);
+          }
+        }
+        __m256i sums[kRows];
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(low_even[r], low_odd[r]);
+        add_chunk(2 * g, sums);
+        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(high_even[r], high_odd[r]);
+        add_chunk(2 * g + 1, sums);
+      }
+      continue;
+    }
     for (int j = 0; j < 8; ++j) {
       const int64_t chunk = 8 * b + j;
       const uint8_t* pieces = block + kPieces + 32 * 8 * (j / 2);
       __m256i sums[kRows];     // 32-bit sums of the chunk
-      __m256i partial[kRows];  // sums of up to kPiecesPerSum pieces (with kTwoChains, the even ones)
-      __m256i odd[kRows];      // with kTwoChains, the odd pieces' sums
+      __m256i partial[kRows];  // sums of up to kPiecesPerSum pieces
       for (int k = 0; k < 8; ++k) {
         const __m256i piece = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * k));
         __m256i codes = _mm256_and_si256(j % 2 == 0 ? piece : _mm256_srli_epi16(piece, 4), low4);
@@ -415,11 +459,6 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
         for (int r = 0; r < kRows; ++r) {
           const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + chunk) * kQuantBlock);
           const __m256i input = _mm256_set1_epi32(int32_t(block_word(xq + 4 * k)));
-          if constexpr (kTwoChains) {
-            __m256i& chain = k % 2 == 0 ? partial[r] : odd[r];
-            chain = k < 2 ? Dot::first(codes, input) : Dot::add(chain, codes, input);
-            continue;
-          }
           partial[r] = k % kPiecesPerSum == 0 ? Dot::first(codes, input) : Dot::add(partial[r], codes, input);
           if (k % kPiecesPerSum == kPiecesPerSum - 1) {
             const __m256i widened = Dot::widen(partial[r]);
@@ -427,16 +466,7 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
           }
         }
       }
-      if constexpr (kTwoChains) {
-        for (int r = 0; r < kRows; ++r) sums[r] = _mm256_add_epi32(partial[r], odd[r]);
-      }
-      // w = d sc q - dmin m: the codes' sum times the input's d, less the min times d * sum(q).
-      for (int r = 0; r < kRows; ++r) {
-        const float* scale_sum = x.scale_sum + 2 * ((r0 + r) * x.blocks + chunk);
-        const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
-        acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_load_ps(scale[j]), _mm256_set1_ps(scale_sum[0])), acc[r]);
-        min_acc[r] = _mm256_fmadd_ps(_mm256_load_ps(min[j]), _mm256_set1_ps(scale_sum[1]), min_acc[r]);
-      }
+      add_chunk(j, sums);
     }
   }
   for (int r = 0; r < kRows; ++r) out[r] = _mm256_sub_ps(acc[r], min_acc[r]);
