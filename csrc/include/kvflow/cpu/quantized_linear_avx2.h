@@ -530,6 +530,57 @@ inline void q6_k_chunk_sums32(const uint8_t* pieces, const QuantizedRows& x, int
   }
 }
 
+// Half h of a Q6_K block (chunks 4h .. 4h + 3) at one or two rows with 32-bit sums: chunks
+// 4h + k and 4h + k + 2 read the same low pieces (low and high nibbles) and all four the same
+// high pieces, so a pair of chunks goes at once, four chains a row (two chunks, two halves)
+// side by side, each piece read once; the float steps then run in q6_k_chunk_sums32's order.
+template <int kRows, class Dot>
+inline void q6_k_half_block_sums32(const uint8_t* pieces, const QuantizedRows& x, int64_t r0, int64_t first_chunk,
+                                   int h, const float (*scale)[kInterleavedRows], __m256* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0xF), bits45 = _mm256_set1_epi8(0x30);
+  __m256i sums[4][2][kRows];  // [chunk of the half block][half of the chunk][row]
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {  // chunks k and k + 2 of the half block
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        const int p = 4 * half + q;
+        const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (16 * h + 8 * k + p)));
+        const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pieces + 32 * (32 + 8 * h + p)));
+        // Bits 2j..2j + 1 of each high byte to bits 4..5 for chunk j (see q6_k_chunk_sums32).
+        const __m256i top_first = k == 0 ? _mm256_slli_epi16(high, 4) : _mm256_slli_epi16(high, 2);
+        const __m256i top_second = k == 0 ? high : _mm256_srli_epi16(high, 2);
+        const __m256i first = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_and_si256(top_first, bits45));
+        const __m256i second =
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(low, 4), low4), _mm256_and_si256(top_second, bits45));
+        for (int r = 0; r < kRows; ++r) {
+          const auto* xq = reinterpret_cast<const uint8_t*>(x.q + ((r0 + r) * x.blocks + first_chunk + k) * kQuantBlock);
+          const __m256i input_first = _mm256_set1_epi32(int32_t(block_word(xq + 4 * p)));
+          const __m256i input_second = _mm256_set1_epi32(int32_t(block_word(xq + 2 * kQuantBlock + 4 * p)));
+          __m256i& chain_first = sums[k][half][r];
+          __m256i& chain_second = sums[k + 2][half][r];
+          chain_first = q == 0 ? Dot::first(first, input_first) : Dot::add(chain_first, first, input_first);
+          chain_second = q == 0 ? Dot::first(second, input_second) : Dot::add(chain_second, second, input_second);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t chunk = first_chunk + j;
+    int32_t half_sums[kRows][2];
+    for (int r = 0; r < kRows; ++r) input_half_sums(x, r0 + r, chunk, half_sums[r][0], half_sums[r][1]);
+    for (int half = 0; half < 2; ++half) {
+      const __m256 row_scale = _mm256_load_ps(scale[2 * (4 * h + j) + half]);
+      for (int r = 0; r < kRows; ++r) {
+        const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
+        const __m256i centred = _mm256_sub_epi32(sums[j][half][r], _mm256_set1_epi32(32 * half_sums[r][half]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
+      }
+    }
+  }
+}
+
 template <int kRows, class Dot>
 void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
@@ -548,6 +599,10 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
       _mm256_store_ps(scale[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
     }
     const uint8_t* pieces = block + kPieces;
+    if constexpr (Dot::kSums32 && kRows <= 2) {
+      for (int h = 0; h < 2; ++h) q6_k_half_block_sums32<kRows, Dot>(pieces, x, r0, 8 * b + 4 * h, h, scale, acc);
+      continue;
+    }
     if constexpr (Dot::kSums32) {
 #pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) q6_k_chunk_sums32<kRows, Dot>(pieces, x, r0, 8 * b + c, c, scale, acc);
