@@ -214,9 +214,11 @@ void interleaved_k_group_pair_avx512(const uint8_t* group, int64_t group_bytes, 
           __m512i low = _mm512_and_si512(piece, low4), high = _mm512_and_si512(_mm512_srli_epi16(piece, 4), low4);
           if constexpr (kFifthBit) {
             const __m512i fifth = block.bytes32(kFifthBits + 32 * k), one = _mm512_set1_epi8(1);
-            low = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(2 * g)), one), 4));
-            high = _mm512_or_si512(
-                high, _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(2 * g + 1)), one), 4));
+            auto fifth_of = [&](int chunk) {  // chunk's fifth bits, at bit 4 of each code
+              return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(chunk)), one), 4);
+            };
+            low = _mm512_or_si512(low, fifth_of(2 * g));
+            high = _mm512_or_si512(high, fifth_of(2 * g + 1));
           }
           for (int r = 0; r < kRows; ++r) {
             __m512i& chain_low = k % 2 == 0 ? low_even[r] : low_odd[r];

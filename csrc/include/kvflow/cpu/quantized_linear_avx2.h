@@ -360,10 +360,12 @@ void interleaved_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_
 // (k_scale_min, one row a 32-bit lane) are decoded once per block for every input row. With
 // 16-bit partials a chunk's pair sums add over its 8 pieces (Q4_K: at most 8 x 2 x 15 x 127 =
 // 30480), or over 4 (Q5_K: 4 x 2 x 31 x 127 = 31496), before they widen. With 32-bit sums and one
-// or two input rows, a chunk's even and odd pieces add in two chains, as interleaved_group_avx2's
-// nibbles do: one row of Q4_K was 6% faster so (docs/benchmarks.md) The mins' terms add up
-// apart from the scaled sums and come off once at the end, so that each chunk puts one
-// multiply-add, not two, on the accumulator's chain (one row of Q5_K 5% faster).
+// or two input rows, the chunks go in pairs: a pair's pieces hold the first chunk's codes in their
+// low nibbles and the second's in their high ones, so each piece is read once and feeds four
+// chains a row (the two chunks' even and odd pieces) side by side; the float steps then run
+// chunk by chunk as elsewhere (one row of Q4_K 7% faster, two rows 13%: docs/benchmarks.md).
+// The mins' terms add up apart from the scaled sums and come off once at the end, so that each
+// chunk puts one multiply-add, not two, on the accumulator's chain (one row of Q5_K 5% faster).
 template <QuantFormat F, int kRows, class Dot>
 void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
@@ -472,13 +474,6 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
   for (int r = 0; r < kRows; ++r) out[r] = _mm256_sub_ps(acc[r], min_acc[r]);
 }
 
-// One group of 8 Q6_K weight rows in the interleaved layout (gguf_blocks.h) times input rows
-// r0 .. r0 + kRows. Per 256-weight block: scale t of the 8 rows at 8t (int8), their d at 128,
-// then 48 pieces: 32 of the low four bits (GGUF's ql), 16 of the high two (qh). Chunk c = 4h + k
-// (h the block's half) takes piece 16h + 8(k % 2) + p's nibble k / 2 and piece 32 + 8h + p's bits
-// 2k..2k+1 for its codes 4p..4p+3, centred by 32; its first and last 16 weights have scales 2c
-// and 2c + 1. The byte product takes |w| against x carrying w's sign, and a half chunk's 4
-// pieces add into one partial (in 16 bits: at most 4 x 2 x 32 x 127 = 32512) before it widens.
 // Input row r's sums of the codes in each half of a chunk (16 signed bytes each): biased by
 // 128 to unsigned, summed by vpsadbw in four eighths.
 inline void input_half_sums(const QuantizedRows& x, int64_t row, int64_t chunk, int32_t& first, int32_t& second) {
@@ -490,7 +485,7 @@ inline void input_half_sums(const QuantizedRows& x, int64_t row, int64_t chunk, 
   second = int32_t(_mm_cvtsi128_si32(high) + _mm_extract_epi32(high, 2)) - 16 * 128;
 }
 
-// Chunk c of a Q6_K block of 8 interleaved rows (see interleaved_q6_k_group_avx2) with 32-bit
+// Chunk c of a Q6_K block of 8 interleaved rows (the layout: interleaved_q6_k_group_avx2) with 32-bit
 // sums (vpdpbusd): the codes go in unsigned, 0..63, and each half's sum takes 32 times the
 // input's code sum back out, two instructions a piece fewer than carrying w's sign to the input.
 // Exact integer sums: the float steps, and so the results, are those of the other form.
@@ -581,6 +576,14 @@ inline void q6_k_half_block_sums32(const uint8_t* pieces, const QuantizedRows& x
   }
 }
 
+// One group of 8 Q6_K weight rows in the interleaved layout (gguf_blocks.h) times input rows
+// r0 .. r0 + kRows. Per 256-weight block: scale t of the 8 rows at 8t (int8), their d at 128,
+// then 48 pieces: 32 of the low four bits (GGUF's ql), 16 of the high two (qh). Chunk c = 4h + k
+// (h the block's half) takes piece 16h + 8(k % 2) + p's nibble k / 2 and piece 32 + 8h + p's bits
+// 2k..2k+1 for its codes 4p..4p+3, centred by 32; its first and last 16 weights have scales 2c
+// and 2c + 1. With 16-bit partials (vpmaddubsw) the byte product takes |w| against x carrying
+// w's sign, and a half chunk's 4 pieces add into one partial (at most 4 x 2 x 32 x 127 = 32512)
+// before it widens; with 32-bit sums, q6_k_chunk_sums32 and q6_k_half_block_sums32 above.
 template <int kRows, class Dot>
 void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int64_t r0, __m256* out) {
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(QuantFormat::kQ6_K);
