@@ -371,7 +371,7 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
   static_assert(F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K);
   constexpr bool kFifthBit = F == QuantFormat::kQ5_K;
   constexpr int kPiecesPerSum = kFifthBit && !Dot::kSums32 ? 4 : 8;
-  constexpr bool kTwoChains = Dot::kSums32 && kRows <= 2;
+  constexpr bool kChunkPairs = Dot::kSums32 && kRows <= 2;
   constexpr int64_t kGroupBlock = kInterleavedRows * quant_block_bytes(F);
   constexpr int64_t kScaleBytes = 32, kFifthBits = 128, kPieces = kInterleavedRows * interleaved_header_bytes(F);
   constexpr int64_t kAheadBytes = kInterleavedAheadBytes;
@@ -410,7 +410,7 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
         min_acc[r] = _mm256_fmadd_ps(_mm256_load_ps(min[j]), _mm256_set1_ps(scale_sum[1]), min_acc[r]);
       }
     };
-    if constexpr (kTwoChains) {
+    if constexpr (kChunkPairs) {
       // A pair of chunks at once, each piece's low nibbles for the first and high ones for the
       // second: four chains a row side by side, which the core overlaps better than the two of
       // one chunk after another.
@@ -485,6 +485,20 @@ inline void input_half_sums(const QuantizedRows& x, int64_t row, int64_t chunk, 
   second = int32_t(_mm_cvtsi128_si32(high) + _mm_extract_epi32(high, 2)) - 16 * 128;
 }
 
+// Half `half` of a Q6_K chunk with 32-bit sums of unsigned codes, added to each row's
+// accumulator: the sum less 32 times the input's code sum over that half (half_sums), times
+// the half's scale (row_scale, the 8 rows') and the input's.
+template <int kRows>
+inline void q6_k_add_half(const QuantizedRows& x, int64_t r0, int64_t chunk, int half, const float* row_scale,
+                          const __m256i* sums, const int32_t (*half_sums)[2], __m256* acc) {
+  const __m256 scale = _mm256_load_ps(row_scale);
+  for (int r = 0; r < kRows; ++r) {
+    const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
+    const __m256i centred = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(32 * half_sums[r][half]));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)), acc[r]);
+  }
+}
+
 // Chunk c of a Q6_K block of 8 interleaved rows (the layout: interleaved_q6_k_group_avx2) with 32-bit
 // sums (vpdpbusd): the codes go in unsigned, 0..63, and each half's sum takes 32 times the
 // input's code sum back out, two instructions a piece fewer than carrying w's sign to the input.
@@ -516,12 +530,7 @@ inline void q6_k_chunk_sums32(const uint8_t* pieces, const QuantizedRows& x, int
         sums[r] = p == 4 * half ? Dot::first(codes, input) : Dot::add(sums[r], codes, input);
       }
     }
-    const __m256 row_scale = _mm256_load_ps(scale[2 * c + half]);
-    for (int r = 0; r < kRows; ++r) {
-      const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
-      const __m256i centred = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(32 * half_sums[r][half]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
-    }
+    q6_k_add_half<kRows>(x, r0, chunk, half, scale[2 * c + half], sums, half_sums, acc);
   }
 }
 
@@ -566,12 +575,7 @@ inline void q6_k_half_block_sums32(const uint8_t* pieces, const QuantizedRows& x
     int32_t half_sums[kRows][2];
     for (int r = 0; r < kRows; ++r) input_half_sums(x, r0 + r, chunk, half_sums[r][0], half_sums[r][1]);
     for (int half = 0; half < 2; ++half) {
-      const __m256 row_scale = _mm256_load_ps(scale[2 * (4 * h + j) + half]);
-      for (int r = 0; r < kRows; ++r) {
-        const float x_scale = x.scale_sum[2 * ((r0 + r) * x.blocks + chunk)];
-        const __m256i centred = _mm256_sub_epi32(sums[j][half][r], _mm256_set1_epi32(32 * half_sums[r][half]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(row_scale, _mm256_set1_ps(x_scale)), acc[r]);
-      }
+      q6_k_add_half<kRows>(x, r0, chunk, half, scale[2 * (4 * h + j) + half], sums[j][half], half_sums, acc);
     }
   }
 }
