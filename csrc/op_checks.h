@@ -515,6 +515,7 @@ inline EmbeddingGeometry check_embedding_args(const at::Tensor& out, const at::T
 struct QuantizedLinearGeometry {
   cpu::QuantFormat format;
   int64_t rows, in_features, out_features, row_bytes;
+  int64_t out_stride;  // elements from one output row to the next (out may be a column slice)
 };
 
 inline void check_float_or_bfloat16(const at::Tensor& t, const char* name, c10::DeviceType device) {
@@ -559,15 +560,21 @@ inline QuantizedLinearGeometry check_quantized_linear_args(const at::Tensor& out
               "] (the weight's ", in_features / block_values, " blocks of ", block_values, " a row), got shape ",
               input.sizes());
   const int64_t rows = input.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features && out.is_contiguous(),
-              "out must be a contiguous [", rows, ", ", out_features, "] tensor, got shape ", out.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_features,
+              "out must be [", rows, ", ", out_features, "], got shape ", out.sizes());
+  // A column slice of a wider tensor is a valid out: a merged projection whose parts are of
+  // different types writes each part's product into its columns.
+  const int64_t out_stride = rows > 1 ? out.stride(0) : out_features;
+  TORCH_CHECK((out.stride(1) == 1 || out_features <= 1) && out_stride >= out_features,
+              "out must have contiguous rows (stride 1 along a row, rows at least ", out_features,
+              " elements apart), got strides ", out.strides());
   if (bias.has_value()) {
     check_float_or_bfloat16(*bias, "bias", device);
     check_same_device(*bias, "bias", weight, "weight");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "bias must be [", out_features, "], got shape ",
                 bias->sizes());
   }
-  return {format, rows, in_features, out_features, weight.size(1)};
+  return {format, rows, in_features, out_features, weight.size(1), out_stride};
 }
 
 struct QuantizedEmbeddingGeometry {

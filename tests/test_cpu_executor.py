@@ -24,7 +24,7 @@ from kvflow.engine.cpu_programs import CpuDecodePrograms, capture, program_batch
 from kvflow.engine.kv_cache import allocate_kv_caches
 from kvflow.engine.model_runner import ScheduledRequest
 from kvflow.engine.sampling_params import SamplingParams
-from kvflow.layers import Linear, RMSNorm
+from kvflow.layers import Linear, MergedLinear, RMSNorm
 from kvflow.models.config import ModelConfig
 from kvflow.models.gemma import GemmaForCausalLM
 from kvflow.models.gemma2 import Gemma2ForCausalLM
@@ -247,6 +247,10 @@ def reference_logits(model, ids, md, kv):
 
     def linear(x, module):
         bias = None if module.bias is None else module.bias.float()
+        parts = getattr(module, "quantized_parts", None)
+        if parts is not None:  # a merged projection whose parts hold different types
+            out = torch.cat([F.linear(quantized_activations(x), dequantized_weight(part)) for part in parts], -1)
+            return out if bias is None else out + bias
         if getattr(module, "ggml_type", None) is None:
             return F.linear(x, module.weight.float(), bias)
         return F.linear(quantized_activations(x), dequantized_weight(module), bias)
@@ -353,20 +357,31 @@ QUANTIZED_LAYER_TYPES = [GGML_Q4_0_INTERLEAVED, GGML_Q4_1_INTERLEAVED, GGML_Q8_0
                          GGML_Q5_K, GGML_Q6_K, GGML_Q4_K_INTERLEAVED, GGML_Q5_K_INTERLEAVED, GGML_Q6_K_INTERLEAVED]
 
 
-def quantized_model(dtype, ggml_type):
+def quantized_model(dtype, ggml_type, qkv_types=None):
     """A Qwen2-like small_model (q/k/v biases) whose every layer projection holds random GGUF
     blocks of ggml_type (interleaved as the loader does for the interleaved types); widths are
-    multiples of 256, the K-quants' block."""
+    multiples of 256, the K-quants' block. qkv_types: q, k and v each in its own type instead
+    (GGUF ids, as a Q4_K_M file's v in Q6_K beside q and k in Q4_K), in the same layout."""
     model = small_model(dtype, "qkv_bias", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
     base = {layout: base for base, layout in INTERLEAVED_TYPES.items()}.get(ggml_type, ggml_type)
     rng = np.random.default_rng(ggml_type)
-    for module in model.layers.modules():
-        if isinstance(module, Linear):
+
+    interleaved = base != ggml_type
+
+    def fill(module, base):
+        blocks = random_blocks(base, module.out_features, module.in_features, rng)
+        module.weight.data.copy_(torch.from_numpy(scaled_blocks(blocks, base, module.in_features ** -0.5)))
+        if interleaved:
+            assert module.interleave_rows()
+
+    for module in list(model.layers.modules()):
+        if qkv_types is not None and isinstance(module, MergedLinear) and len(module.part_sizes) == 3:
+            assert module.hold_quantized_parts(qkv_types)
+            for part, part_type in zip(module.quantized_parts, qkv_types):
+                fill(part, part_type)
+        elif isinstance(module, Linear):
             assert module.hold_quantized(base)
-            blocks = random_blocks(base, module.out_features, module.in_features, rng)
-            module.weight.data.copy_(torch.from_numpy(scaled_blocks(blocks, base, module.in_features ** -0.5)))
-            if base != ggml_type:
-                assert module.interleave_rows()
+            fill(module, base)
     return model
 
 
@@ -414,6 +429,24 @@ def test_quantized_layers_match_plain_pytorch(ggml_type, dtype):
     the logits' range, for the rare flipped activation code: QUANTIZED_TOLERANCE), bfloat16 a
     coarse one."""
     assert_matches_plain_pytorch(quantized_model(dtype, ggml_type), [5, 240, 30], dtype, QUANTIZED_TOLERANCE)
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_K_INTERLEAVED, GGML_Q4_K])
+@pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (3, torch.float32), (1, torch.bfloat16),
+                                        (3, torch.bfloat16), (40, torch.bfloat16)])
+def test_mixed_type_qkv_replays_and_matches_plain_pytorch(ggml_type, rows, dtype, threads):
+    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file stores them: each part's product goes into its
+    columns of the q|k|v output (a column slice as the op's out), in the program as op by op,
+    against the plain formula on the parts' dequantized weights. At 40 bfloat16 rows the Q6_K
+    part takes the dequantized panels on AVX-512 BF16."""
+    qkv_types = [GGML_Q4_K, GGML_Q4_K, GGML_Q6_K]
+    model = quantized_model(dtype, ggml_type, qkv_types)
+    assert all(layer.self_attn.qkv_proj.weight is None for layer in model.layers)
+    model.prepack_linear_weights()  # the bfloat16 LM head, which past 8 rows a program takes packed only
+    context_lens = [(37 * i) % 200 + 5 for i in range(rows)]
+    assert_replay_equals_op_by_op(model, *decode_step(model, context_lens, dtype))
+    assert_matches_plain_pytorch(model, context_lens, dtype, QUANTIZED_TOLERANCE,
+                                 weights_of=quantized_model(dtype, ggml_type, qkv_types))
 
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_1_INTERLEAVED, GGML_Q8_0_INTERLEAVED, GGML_Q5_K_INTERLEAVED,

@@ -529,7 +529,8 @@ def quantization_plan(config, kind: str) -> dict[str, str]:
     LM head. "k_quants", as a Q4_K_M file mixes them: Q4_K, with Q6_K values, down projections
     and LM head, layer 0's MLP inputs in Q5_K, and layer 2's o_proj and down_proj in Q5_0 and Q5_1
     (the types llama-quantize falls back to). In both, layer 1's k_proj has a type of its own: a
-    q|k|v of mixed types, as llama.cpp's mixed files have, stays float."""
+    q|k|v of mixed types, as llama.cpp's mixed files have (k_quants: every layer's, v in Q6_K),
+    keeps each part in its own type."""
     legacy = kind == "legacy"
     plan = {"model.embed_tokens.weight": "Q4_0" if legacy else "Q4_K", "lm_head.weight": "Q8_0" if legacy else "Q6_K"}
     for layer in range(config.num_hidden_layers):
@@ -547,21 +548,30 @@ def quantization_plan(config, kind: str) -> dict[str, str]:
     return plan
 
 
-def held_types(plan: dict[str, str]) -> dict[str, int | None]:
-    """kvflow module name -> the GGML type id it should hold for a plan, None where its parts'
-    types differ (it stays float)."""
+def held_types(plan: dict[str, str]) -> dict[str, int | tuple[int, ...]]:
+    """kvflow module name -> the GGML type id it should hold for a plan; for a merged projection
+    whose parts' types differ, the tuple of its parts' ids (each part holds its own)."""
     parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
     held = {"embed_tokens": plan["model.embed_tokens.weight"], "lm_head": plan["lm_head.weight"]}
     layers = {int(name.split(".")[2]) for name in plan if name.startswith("model.layers.")}
     for layer in layers:
         prefix = f"model.layers.{layer}."
         for module, names in parts.items():
-            types = {plan[prefix + module.split(".")[0] + "." + part + ".weight"] for part in names}
-            held[f"layers.{layer}.{module}"] = types.pop() if len(types) == 1 else None
+            types = tuple(plan[prefix + module.split(".")[0] + "." + part + ".weight"] for part in names)
+            held[f"layers.{layer}.{module}"] = types[0] if len(set(types)) == 1 else types
         for module in ("self_attn.o_proj", "mlp.down_proj"):
             held[f"layers.{layer}.{module}"] = plan[prefix + module + ".weight"]
-    return {name: None if type_name is None else int(gguf.GGMLQuantizationType[type_name])
+    def type_id(type_name: str) -> int:
+        return int(gguf.GGMLQuantizationType[type_name])
+
+    return {name: tuple(map(type_id, type_name)) if isinstance(type_name, tuple) else type_id(type_name)
             for name, type_name in held.items()}
+
+
+def held_type(module) -> int | tuple[int, ...] | None:
+    """The GGML type id a kvflow module holds, or its parts' ids where each part holds its own."""
+    parts = getattr(module, "quantized_parts", None)
+    return module.ggml_type if parts is None else tuple(part.ggml_type for part in parts)
 
 
 @pytest.mark.parametrize("arch,kind", [("qwen2", "legacy"), ("smollm3", "legacy"), ("qwen2", "k_quants")])
@@ -591,7 +601,7 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, ki
             blocks = quantize_blocks(weight.numpy(), type_name)
             weight.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])))
     expected = held_types(plan)
-    kept = {"model." + name if name != "lm_head" else name for name, held in expected.items() if held is not None}
+    kept = {"model." + name if name != "lm_head" else name for name in expected}
     kept = {name.replace("qkv_proj", part) for name in kept for part in ("q_proj", "k_proj", "v_proj")}
     kept = {name.replace("gate_up_proj", part) for name in kept for part in ("gate_proj", "up_proj")}
     for name, module in reference.named_modules():  # and on the activations as kvflow's products see them
@@ -603,11 +613,11 @@ def test_quantized_gguf_matches_transformers_on_its_dequantized_weights(arch, ki
     raw = graph.hold_quantized_weights(gguf_tensor_types(reader))
     graph.load_weights(gguf_weights(reader, config, raw))
     modules = dict(graph.named_modules())
-    assert {name: modules[name].ggml_type for name in expected} == expected
+    assert {name: held_type(modules[name]) for name in expected} == expected
     prepare_cpu_weights(graph, prepack=False)  # as the loader leaves a CPU model: every quantized type interleaved
-    interleaved = {name for name, held in expected.items() if held in INTERLEAVED_TYPES}
-    assert {name for name in expected if modules[name].ggml_type in INTERLEAVED_TYPES.values()} == interleaved
-    assert any("layers." in name for name in interleaved)  # k_quants: layer 2's Q5_0 and Q5_1 projections
+    assert {name: held_type(modules[name]) for name in expected} == {
+        name: tuple(INTERLEAVED_TYPES[t] for t in held) if isinstance(held, tuple) else INTERLEAVED_TYPES[held]
+        for name, held in expected.items()}
 
     runner = ModelRunner(graph.eval(), config, num_blocks=64)
     differences = []

@@ -287,6 +287,28 @@ def test_quantized_linear_rows_do_not_interfere(cpu_isa):
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("ggml_type,interleaved", [(GGML_Q4_1, False), (GGML_Q4_1, True), (GGML_Q6_K, True),
+                                                  (GGML_Q8_0, True)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 40, 300])
+def test_quantized_linear_writes_into_a_column_slice(ggml_type, interleaved, rows, cpu_isa):
+    """out may be a column slice of a wider tensor, as a merged q|k|v of mixed types uses it: the
+    slice gets the bits a contiguous out gets, on the few-row kernels and on the many-row panels,
+    and the columns around it stay as they were."""
+    in_features, out_features = shape(ggml_type, 2), 24
+    rng = np.random.default_rng(rows)
+    weight = torch.from_numpy(random_blocks(ggml_type, out_features, in_features, rng))
+    layout = ggml_type
+    if interleaved:
+        weight, layout = interleave_rows(weight, ggml_type), INTERLEAVED_TYPES[ggml_type]
+    x = torch.randn(rows, in_features).bfloat16()
+    bias = torch.randn(out_features)
+    alone = ops.quantized_linear(x, weight, layout, bias=bias, out_dtype=torch.float32)
+    wide = torch.full((rows, out_features + 40), 7.0)
+    ops.quantized_linear(x, weight, layout, bias=bias, out=wide[:, 16:16 + out_features])
+    torch.testing.assert_close(wide[:, 16:16 + out_features], alone, rtol=0, atol=0)
+    assert (wide[:, :16] == 7).all() and (wide[:, 16 + out_features:] == 7).all()
+
+
 def test_quantized_linear_rejects_bad_input():
     weight = torch.zeros(4, 2 * BLOCK_BYTES[GGML_Q4_1], dtype=torch.uint8)
     x = torch.randn(2, 64)
@@ -300,8 +322,12 @@ def test_quantized_linear_rejects_bad_input():
         ops.quantized_linear(torch.randn(2, 65), weight, GGML_Q4_1)
     with pytest.raises(RuntimeError, match="input must be float32 or bfloat16"):
         ops.quantized_linear(x.half(), weight, GGML_Q4_1)
-    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[2, 4\]"):
+    with pytest.raises(RuntimeError, match=r"out must be \[2, 4\]"):
         ops.quantized_linear(x, weight, GGML_Q4_1, out=torch.empty(2, 5))
+    with pytest.raises(RuntimeError, match=r"out must have contiguous rows .* got strides \[1, 2\]"):
+        ops.quantized_linear(x, weight, GGML_Q4_1, out=torch.empty(4, 2).t())
+    with pytest.raises(RuntimeError, match=r"out must have contiguous rows .* got strides \[8, 2\]"):
+        ops.quantized_linear(x, weight, GGML_Q4_1, out=torch.empty(2, 8)[:, ::2])
     with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
         ops.quantized_linear(x, weight, GGML_Q4_1, bias=torch.zeros(3))
 
@@ -331,6 +357,11 @@ def test_cuda_quantized_linear_matches_dequantized_product():
                     bound += (np.abs(expected) + bound) * 2.0**-8 * (2 if rounded_weights else 1)
                 error = np.abs(actual.double().numpy() - expected)
                 assert (error <= bound * 1.001).all(), (ggml_type, rows, out_dtype, np.max(error / bound))
+                # A column slice as out (a merged q|k|v of mixed types): the same bits in it.
+                columns = torch.zeros(rows, out_features + 9, dtype=out_dtype, device="cuda")
+                ops.quantized_linear(x.cuda(), torch.from_numpy(weight).cuda(), ggml_type, bias=bias.cuda(),
+                                     out=columns[:, 5:5 + out_features])
+                torch.testing.assert_close(columns[:, 5:5 + out_features].cpu(), actual, rtol=0, atol=0)
                 if rows > 8:
                     continue
                 # The same rows in a view whose rows start off the 16-byte alignment of the vector

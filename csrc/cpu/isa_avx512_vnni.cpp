@@ -277,7 +277,7 @@ void interleaved_pair_of_avx512(const uint8_t* group, int64_t group_bytes, const
 // pair kernels (docs/benchmarks.md).
 template <QuantFormat F>
 void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
-                                         int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
+                                         int64_t row_bytes, const float* bias, int64_t rows, int64_t out_stride,
                                          int64_t begin, int64_t end) {
   constexpr int kRowTile = 4, kPairRows = 2 * kInterleavedRows;
   const int64_t group_bytes = kInterleavedRows * row_bytes;
@@ -298,7 +298,7 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
       }
       for (int r = 0; r < n; ++r) {
         const __m512 y = _mm512_add_ps(sums[r], b);
-        const int64_t index = (r0 + r) * out_features + first;
+        const int64_t index = (r0 + r) * out_stride + first;
         if (out_is_float32) {
           _mm512_storeu_ps(static_cast<float*>(out) + index, y);
         } else {
@@ -311,7 +311,7 @@ void quantized_linear_interleaved_avx512(void* out, bool out_is_float32, const Q
   }
   if (first < end) {
     quantized_linear_interleaved_avx2<F, Avx512Dot>(out, out_is_float32, x, weight, row_bytes, bias, rows,
-                                                    out_features, first, end);
+                                                    out_stride, first, end);
   }
 }
 

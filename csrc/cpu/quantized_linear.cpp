@@ -31,6 +31,7 @@ constexpr int64_t kPanelRows = 32;
 struct QuantizedLinearPlan {
   int format;
   int64_t rows, chunks, row_bytes, out_features;  // chunks: of 32 input features
+  int64_t out_stride;                             // elements from one output row to the next
   bool out_is_float32;
   bool panels;       // the many-row path
   bool interleaved;  // the weight in kvflow's interleaved layout (gguf_blocks.h)
@@ -65,7 +66,7 @@ QuantizedLinearPlan check_quantized_linear(const at::Tensor& out, const at::Tens
       interleaved ? active_kernels().interleaved_panel_rows[interleaved_index(QuantFormat(g.format))] : kPanelRows;
   const bool panels = panel_rows > 0 && !batch_invariant() && g.rows >= panel_rows &&
                       input.scalar_type() == at::kBFloat16 && input.stride(1) == 1;
-  return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features,
+  return {int(g.format), g.rows, g.in_features / kQuantBlock, g.row_bytes, g.out_features, g.out_stride,
           out.scalar_type() == at::kFloat, panels, interleaved};
 }
 
@@ -76,13 +77,13 @@ void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows&
                    const float* bias, int64_t begin, int64_t end, uint8_t* gathered) {
   const KernelTable& kernels = active_kernels();
   if (!g.interleaved) {
-    kernels.quantized_linear[g.format](out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_features,
+    kernels.quantized_linear[g.format](out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_stride,
                                        begin, end);
     return;
   }
   const QuantizedLinearFn interleaved = interleaved_kernel(g);
   if (interleaved != nullptr) {
-    interleaved(out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_features, begin, end);
+    interleaved(out, g.out_is_float32, x, weight, g.row_bytes, bias, g.rows, g.out_stride, begin, end);
     return;
   }
   const int64_t element = g.out_is_float32 ? 4 : 2;
@@ -90,7 +91,7 @@ void multiply_rows(const QuantizedLinearPlan& g, void* out, const QuantizedRows&
     const int64_t count = std::min<int64_t>(kPackedLinearPanel, end - first);
     gather_interleaved_rows(weight, g.row_bytes, QuantFormat(g.format), first, count, gathered);
     kernels.quantized_linear[g.format](static_cast<char*>(out) + first * element, g.out_is_float32, x, gathered,
-                                       g.row_bytes, bias == nullptr ? nullptr : bias + first, g.rows, g.out_features,
+                                       g.row_bytes, bias == nullptr ? nullptr : bias + first, g.rows, g.out_stride,
                                        0, count);
   }
 }
@@ -110,7 +111,7 @@ void multiply_panels(const QuantizedLinearPlan& g, at::Tensor& out, const at::Te
     } else {
       kernels.dequantize_panel[g.format](weight, g.row_bytes, g.out_features, p, scratch);
     }
-    kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, out.stride(0), g.out_is_float32,
+    kernels.packed_linear(static_cast<char*>(out.data_ptr()) + first * element, g.out_stride, g.out_is_float32,
                           /*silu_and_mul=*/false, reinterpret_cast<const bfloat16*>(input.data_ptr()),
                           input.stride(0), scratch, bias == nullptr ? nullptr : bias + first, g.rows,
                           g.chunks * kQuantBlock, g.out_features - first, 0, 1);

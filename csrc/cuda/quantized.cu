@@ -32,7 +32,7 @@ __device__ __forceinline__ const uint8_t* chunk_block(const uint8_t* row, QuantF
 template <typename In, typename Out>
 __global__ void quantized_gemv_kernel(Out* out, const In* input, int64_t input_stride, const uint8_t* weight,
                                       int64_t row_bytes, const float* bias, QuantFormat format, int64_t rows,
-                                      int64_t out_features, int64_t chunks) {
+                                      int64_t out_features, int64_t out_stride, int64_t chunks) {
   const int64_t o = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (o >= out_features) return;
@@ -67,7 +67,7 @@ __global__ void quantized_gemv_kernel(Out* out, const In* input, int64_t input_s
   for (int r = 0; r < kGemvRows; ++r) {
     if (r < rows) {
       const float total = cuda_kernels::warp_sum(acc[r]);
-      if (lane == 0) out[r * out_features + o] = cuda_kernels::store_float<Out>(total + (bias ? bias[o] : 0.f));
+      if (lane == 0) out[r * out_stride + o] = cuda_kernels::store_float<Out>(total + (bias ? bias[o] : 0.f));
     }
   }
 }
@@ -160,7 +160,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     quantized_gemv_kernel<<<grid, kWarpsPerBlock * 32, 0, stream>>>(
         static_cast<Out*>(out.data_ptr()), static_cast<const In*>(x.data_ptr()), x.stride(0),
         weight.data_ptr<uint8_t>(), g.row_bytes, bias_float.defined() ? bias_float.data_ptr<float>() : nullptr,
-        g.format, g.rows, g.out_features, chunks);
+        g.format, g.rows, g.out_features, g.out_stride, chunks);
   };
   const bool in_float = x.scalar_type() == at::kFloat, out_float = out.scalar_type() == at::kFloat;
   if (in_float && out_float) {

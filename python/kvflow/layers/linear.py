@@ -50,9 +50,10 @@ class PackedWeight:
         self.data = ops.pack_linear_weight(weight, gate_up)
 
     @classmethod
-    def of(cls, weight: torch.Tensor, gate_up: bool = False) -> "PackedWeight | None":
-        """The packed copy of `weight`, or None where it cannot be packed (another dtype or device)."""
-        if not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
+    def of(cls, weight: torch.Tensor | None, gate_up: bool = False) -> "PackedWeight | None":
+        """The packed copy of `weight`, or None where it cannot be packed (another dtype or device,
+        or no weight: a merged projection whose parts hold their own)."""
+        if not (weight is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
             return None
         if gate_up and weight.shape[0] % 2:
             return None
@@ -166,7 +167,8 @@ class MergedLinear(Linear):
     """Several projections of the same input, stacked along the output: part i owns rows
     [offsets[i], offsets[i + 1]) of the weight. Column-parallel (tensor parallelism): part i
     holds rows shards[i] of its checkpoint tensor (a rank's heads or features), each part_sizes[i]
-    = shards[i].size rows."""
+    = shards[i].size rows. Parts stored in different GGUF types (hold_quantized_parts) keep a
+    weight each, and each part's product goes into its columns of the one output."""
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None,
                  shards: list[Shard] | None = None):
@@ -178,11 +180,37 @@ class MergedLinear(Linear):
         self.offsets = [0]
         for size in part_sizes:
             self.offsets.append(self.offsets[-1] + size)
+        self.quantized_parts: nn.ModuleList | None = None  # see hold_quantized_parts()
+
+    def hold_quantized_parts(self, ggml_types: list[int]) -> bool:
+        """For parts stored in different GGUF types (a Q4_K_M file's q and k in Q4_K, its v in
+        Q6_K in some layers): each part becomes a Linear holding its own type's blocks
+        (Linear.hold_quantized), and the merged weight is released. False, changing nothing,
+        where some part's type cannot be held that way."""
+        with torch.device(self.weight.device):
+            parts = [Linear(self.in_features, size, dtype=self.weight.dtype) for size in self.part_sizes]
+        if not all(part.hold_quantized(ggml_type) for part, ggml_type in zip(parts, ggml_types)):
+            return False
+        self.quantized_parts = nn.ModuleList(parts)
+        release_plain_weight(self)
+        return True
+
+    def product(self, x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized_parts is None:
+            return super().product(x, out_dtype, bias)
+        out = x.new_empty((x.shape[0], self.out_features), dtype=out_dtype)
+        for part, start, end in zip(self.quantized_parts, self.offsets, self.offsets[1:]):
+            torch.ops.kvflow.quantized_linear(out[:, start:end], x, part.weight, part.ggml_type,
+                                              None if bias is None else bias[start:end])
+        return out
 
     def load_part(self, part: int, weight: torch.Tensor | None, bias: torch.Tensor | None = None) -> None:
         """Part `part`'s weight and/or bias (a checkpoint stores them as separate tensors)."""
         rows = slice(self.offsets[part], self.offsets[part + 1])
-        if weight is not None:
+        if weight is not None and self.quantized_parts is not None:
+            copy_checked(self.quantized_parts[part].weight, self._part_rows(part, weight, "weight"),
+                         f"part {part} weight")
+        elif weight is not None:
             copy_checked(self.weight[rows], self._part_rows(part, weight, "weight"), f"part {part} weight")
         if bias is not None:
             if self.bias is None:

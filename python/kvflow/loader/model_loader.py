@@ -139,7 +139,7 @@ def packable(module: torch.nn.Module) -> bool:
     blocks) and bfloat16 (a float32 or float16 model has nothing to pack)."""
     tied = getattr(module, "tied_to", None)
     weight = tied.weight if tied is not None else module.weight
-    return module.ggml_type is None and weight.dtype == torch.bfloat16
+    return module.ggml_type is None and weight is not None and weight.dtype == torch.bfloat16
 
 
 def prepare_cpu_weights(model: torch.nn.Module, prepack: bool, reserved_bytes: int = 0,

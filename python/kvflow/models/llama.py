@@ -165,8 +165,8 @@ class LlamaForCausalLM(nn.Module):
         what is left of it stays plain."""
         packed = 0
         for module in self.linear_modules():
-            if module.ggml_type is not None:  # its blocks are what its products read
-                continue
+            if module.ggml_type is not None or getattr(module, "quantized_parts", None) is not None:
+                continue  # its blocks are what its products read
             tied = getattr(module, "tied_to", None)
             size = (tied.weight if tied is not None else module.weight).nbytes
             if budget_bytes is not None and size > budget_bytes:
@@ -179,25 +179,30 @@ class LlamaForCausalLM(nn.Module):
 
     def hold_quantized_weights(self, tensor_types: dict[str, int]) -> set[str]:
         """Switches each projection, the LM head and the embedding to hold its checkpoint tensors'
-        GGUF blocks where those tensors (all the parts of a merged one) share one type the
-        quantized ops run; tensor_types maps checkpoint names (without "model.") to GGML type
-        ids. Returns the names the checkpoint must then give as raw blocks (uint8 [rows, row
-        bytes]); the others load as floats. Granite's o_proj and down_proj stay float: their
-        residual_multiplier is folded into the weights."""
+        GGUF blocks where the quantized ops run their types; tensor_types maps checkpoint names
+        (without "model.") to GGML type ids. The parts of a merged projection that share one type
+        share one weight; parts of different types (a Q4_K_M file's v in Q6_K beside q and k in
+        Q4_K) keep a weight each (MergedLinear.hold_quantized_parts). Returns the names the
+        checkpoint must then give as raw blocks (uint8 [rows, row bytes]); the others load as
+        floats. Granite's o_proj and down_proj stay float: their residual_multiplier is folded
+        into the weights."""
         raw = set()
         folded = ("o_proj", "down_proj") if self.config.residual_multiplier != 1.0 else ()
-        for module_name, module in self.named_modules():
+        for module_name, module in list(self.named_modules()):
             if not isinstance(module, (Linear, LMHead, VocabEmbedding)):
                 continue
             parent, _, leaf = module_name.rpartition(".")
             names = [f"{module_name}.weight"]
             if leaf in _MERGED_PARTS and names[0] not in tensor_types:
                 names = [f"{parent}.{part}.weight" for part in _MERGED_PARTS[leaf]]
-            types = {tensor_types.get(name) for name in names}
-            if len(types) != 1 or leaf in folded:
+            types = [tensor_types.get(name) for name in names]
+            if leaf in folded or None in types:
                 continue
-            ggml_type = types.pop()
-            if ggml_type is not None and module.hold_quantized(ggml_type):
+            if len(set(types)) == 1:
+                held = module.hold_quantized(types[0])
+            else:
+                held = isinstance(module, MergedLinear) and module.hold_quantized_parts(types)
+            if held:
                 raw.update(names)
         return raw
 
@@ -221,9 +226,11 @@ class LlamaForCausalLM(nn.Module):
                 if leaf in merged_parts:
                     merged_name, part = merged_parts[leaf]
                     target = f"{parent}.{merged_name}"
-                    self._module(modules, target, name).load_part(
-                        part, tensor if kind == "weight" else None, tensor if kind == "bias" else None)
+                    merged = self._module(modules, target, name)
+                    merged.load_part(part, tensor if kind == "weight" else None, tensor if kind == "bias" else None)
                     loaded.add(f"{target}.{kind}:{part}")
+                    if kind == "weight" and merged.quantized_parts is not None:
+                        loaded.add(f"{target}.quantized_parts.{part}.weight")
                 else:
                     parameter = getattr(self._module(modules, module_name, name), kind, None)
                     if not isinstance(parameter, nn.Parameter):

@@ -161,10 +161,10 @@ using PackedLinearFn = void (*)(void* out,  // [rows, out_features], row stride 
 // weight in GGUF blocks of the entry's format (gguf_blocks.h), rows [out_features, row_bytes],
 // the input rows quantized per block (QuantizedRows). float32 accumulation; out float32, or
 // bfloat16 unless out_is_float32.
-using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features]
+using QuantizedLinearFn = void (*)(void* out,  // [rows, out_features], rows out_stride elements apart
                                    bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
                                    int64_t row_bytes, const float* bias,  // [out_features] or null
-                                   int64_t rows, int64_t out_features, int64_t begin, int64_t end);
+                                   int64_t rows, int64_t out_stride, int64_t begin, int64_t end);
 
 // Quantizes `chunks` chunks of 32 contiguous activations (float32, or bfloat16 for entry 1) as
 // quantize_activation_block (gguf_blocks.h) does, bit for bit: codes q [chunks * 32],

@@ -21,7 +21,7 @@ namespace {
 // Dot::run<kRows>(w, x, r0, sums): sums[r] = weight row w . input row r0 + r, for r < kRows.
 template <class Dot>
 void quantized_linear_rows(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
-                           int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features, int64_t begin,
+                           int64_t row_bytes, const float* bias, int64_t rows, int64_t out_stride, int64_t begin,
                            int64_t end) {
   constexpr int kRowTile = 4;
   for (int64_t o = begin; o < end; ++o) {
@@ -37,7 +37,7 @@ void quantized_linear_rows(void* out, bool out_is_float32, const QuantizedRows& 
       }
       for (int r = 0; r < n; ++r) {
         const float y = bias == nullptr ? sums[r] : sums[r] + bias[o];
-        const int64_t index = (r0 + r) * out_features + o;
+        const int64_t index = (r0 + r) * out_stride + o;
         if (out_is_float32) {
           static_cast<float*>(out)[index] = y;
         } else {

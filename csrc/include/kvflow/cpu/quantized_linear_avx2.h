@@ -661,7 +661,7 @@ void interleaved_group_of_avx2(const uint8_t* group, const QuantizedRows& x, int
 // multiples of kInterleavedRows.
 template <QuantFormat F, class Dot>
 void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const QuantizedRows& x, const uint8_t* weight,
-                                       int64_t row_bytes, const float* bias, int64_t rows, int64_t out_features,
+                                       int64_t row_bytes, const float* bias, int64_t rows, int64_t out_stride,
                                        int64_t begin, int64_t end) {
   constexpr int kRowTile = 4;
   for (int64_t first = begin; first < end; first += kInterleavedRows) {
@@ -679,7 +679,7 @@ void quantized_linear_interleaved_avx2(void* out, bool out_is_float32, const Qua
       }
       for (int r = 0; r < n; ++r) {
         const __m256 y = _mm256_add_ps(sums[r], b);
-        const int64_t index = (r0 + r) * out_features + first;
+        const int64_t index = (r0 + r) * out_stride + first;
         if (out_is_float32) {
           _mm256_storeu_ps(static_cast<float*>(out) + index, y);
         } else {
