@@ -137,12 +137,14 @@ struct QuantizedInput {
   std::vector<int8_t> q;
   std::vector<float> scale_sum;
   std::vector<int32_t> code_sum;
+  std::vector<int32_t> first_half_sum;  // Q6_K's weights only: each block's first 16 codes summed
   int64_t blocks = 0;
 
-  QuantizedInput(int64_t rows, int64_t blocks) : blocks(blocks) {
+  QuantizedInput(int64_t rows, int64_t blocks, bool half_sums) : blocks(blocks) {
     q.resize(size_t(rows * blocks * kQuantBlock));
     scale_sum.resize(size_t(2 * rows * blocks));
     code_sum.resize(size_t(rows * blocks));
+    if (half_sums) first_half_sum.resize(size_t(rows * blocks));
   }
 
   // Rows [begin, end) of input; `row` is scratch of in_features floats.
@@ -157,23 +159,38 @@ struct QuantizedInput {
       if (input.stride(1) == 1) {
         const char* values = static_cast<const char*>(input.data_ptr()) + r * stride * input.element_size();
         kernels[is_float32 ? 0 : 1](values, blocks, codes, scales, sums);
-        continue;
+      } else {
+        for (int64_t k = 0; k < in_features; ++k) {
+          row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
+                              : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
+        }
+        kernels[0](row, blocks, codes, scales, sums);
       }
-      for (int64_t k = 0; k < in_features; ++k) {
-        row[k] = is_float32 ? input.data_ptr<float>()[r * stride + k * input.stride(1)]
-                            : to_float(reinterpret_cast<const bfloat16*>(input.data_ptr())[r * stride + k * input.stride(1)]);
-      }
-      kernels[0](row, blocks, codes, scales, sums);
+      if (!first_half_sum.empty()) sum_first_halves(codes, &first_half_sum[size_t(r * blocks)]);
     }
   }
 
-  QuantizedRows rows() const { return {q.data(), scale_sum.data(), code_sum.data(), blocks}; }
+  QuantizedRows rows() const {
+    return {q.data(), scale_sum.data(), code_sum.data(), blocks,
+            first_half_sum.empty() ? nullptr : first_half_sum.data()};
+  }
+
+  void sum_first_halves(const int8_t* codes, int32_t* sums) const {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sum = 0;
+      for (int j = 0; j < kQuantBlock / 2; ++j) sum += codes[b * kQuantBlock + j];
+      sums[b] = sum;
+    }
+  }
 
   // Rows [rows.begin, rows.end) of the codes and scales, which quantize overwrites.
   void warm(Range rows) const {
     warm_rows(q.data(), blocks * kQuantBlock, blocks * kQuantBlock, rows, true);
     warm_rows(scale_sum.data(), 2 * blocks * int64_t(sizeof(float)), 2 * blocks * int64_t(sizeof(float)), rows, true);
     warm_rows(code_sum.data(), blocks * int64_t(sizeof(int32_t)), blocks * int64_t(sizeof(int32_t)), rows, true);
+    if (!first_half_sum.empty()) {
+      warm_rows(first_half_sum.data(), blocks * int64_t(sizeof(int32_t)), blocks * int64_t(sizeof(int32_t)), rows, true);
+    }
   }
 };
 
@@ -187,7 +204,8 @@ class QuantizedLinearNode final : public OpNode {
   explicit QuantizedLinearNode(const NodeArgs& args)
       : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
         geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
-        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.chunks) {
+        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.chunks,
+                   QuantFormat(geometry_.format) == QuantFormat::kQ6_K) {
     // The bias in the dtype its path reads: bfloat16 for the panels' kernel, float32 (the model's
     // tensor itself where it is float32 already, read at every replay) for the int8 path.
     if (geometry_.panels) {
@@ -295,7 +313,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     return;
   }
   const std::vector<float> bias_values = float_values(bias);
-  QuantizedInput x(g.rows, g.chunks);
+  QuantizedInput x(g.rows, g.chunks, QuantFormat(g.format) == QuantFormat::kQ6_K);
   at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(size_t(g.chunks * kQuantBlock));
     x.quantize(input, begin, end, row.data());

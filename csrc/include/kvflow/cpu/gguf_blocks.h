@@ -227,6 +227,9 @@ struct QuantizedRows {
   const float* scale_sum;
   const int32_t* code_sum;
   int64_t blocks;  // in_features / 32
+  // The sum of each block's first 16 codes (Q6_K's kernels take the halves' sums apart), or null:
+  // those kernels then sum them per group of weight rows.
+  const int32_t* first_half_sum = nullptr;
 };
 
 // Quantizes one block of 32 activations: scale = max|x| / 127 and q = round(x / scale), so that

@@ -474,9 +474,15 @@ void interleaved_k_group_avx2(const uint8_t* group, const QuantizedRows& x, int6
   for (int r = 0; r < kRows; ++r) out[r] = _mm256_sub_ps(acc[r], min_acc[r]);
 }
 
-// Input row r's sums of the codes in each half of a chunk (16 signed bytes each): biased by
-// 128 to unsigned, summed by vpsadbw in four eighths.
+// Input row r's sums of the codes in each half of a chunk (16 signed bytes each): from the sums
+// made once with the input's quantization where it has them, else biased by 128 to unsigned and
+// summed by vpsadbw in four eighths.
 inline void input_half_sums(const QuantizedRows& x, int64_t row, int64_t chunk, int32_t& first, int32_t& second) {
+  if (x.first_half_sum != nullptr) {
+    first = x.first_half_sum[row * x.blocks + chunk];
+    second = x.code_sum[row * x.blocks + chunk] - first;
+    return;
+  }
   const auto* codes = reinterpret_cast<const __m256i*>(x.q + (row * x.blocks + chunk) * kQuantBlock);
   const __m256i eighths = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256(codes), _mm256_set1_epi8(char(0x80))),
                                           _mm256_setzero_si256());
