@@ -53,7 +53,8 @@ class PackedWeight:
     def of(cls, weight: torch.Tensor | None, gate_up: bool = False) -> "PackedWeight | None":
         """The packed copy of `weight`, or None where it cannot be packed (another dtype or device,
         or no weight: a merged projection whose parts hold their own)."""
-        if not (weight is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.numel() > 0):
+        if weight is None or not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                                  and weight.numel() > 0):
             return None
         if gate_up and weight.shape[0] % 2:
             return None
