@@ -35,6 +35,7 @@ namespace {
 
 // AVX-512 VNNI's vpdpbusd on 256-bit vectors (EVEX).
 struct Avx512Vpdpbusd {
+  static constexpr int kVectorRegisters = 32;
   static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 };
 

@@ -26,6 +26,7 @@ namespace {
 
 // AVX-VNNI's vpdpbusd (VEX).
 struct AvxVpdpbusd {
+  static constexpr int kVectorRegisters = 16;
   static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 };
 

@@ -38,8 +38,11 @@ using namespace kvflow::testing;
 namespace {
 
 // vpdpbusd written out from its definition: no saturation, each lane's four products summed in
-// 32 bits onto the lane.
+// 32 bits onto the lane; kRegisters as AVX-VNNI's (16) or AVX-512's (32), for the kernels'
+// forms that depend on it.
+template <int kRegisters>
 struct DefinedVpdpbusd {
+  static constexpr int kVectorRegisters = kRegisters;
   static __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
     alignas(32) int32_t sums[8];
     alignas(32) uint8_t a[32];
@@ -106,7 +109,10 @@ void check_format() {
     for (auto& v : x) v = normal(gen);
     const QuantizedInput in = quantized_input(x, rows, in_features);
     const ExpectedProducts expected = expected_products(F, gguf, out_features, in, rows);
-    const int vnni = mismatches<F, DpbusdDot<DefinedVpdpbusd>>(interleaved, row_bytes, in, rows, out_features, expected);
+    const int vnni = mismatches<F, DpbusdDot<DefinedVpdpbusd<16>>>(interleaved, row_bytes, in, rows, out_features,
+                                                                   expected) +
+                     mismatches<F, DpbusdDot<DefinedVpdpbusd<32>>>(interleaved, row_bytes, in, rows, out_features,
+                                                                   expected);
     const int avx2 = mismatches<F, MaddubsDot>(interleaved, row_bytes, in, rows, out_features, expected);
     if (vnni + avx2 != 0) {
       fail(__FILE__, __LINE__,

@@ -39,6 +39,7 @@ inline __m256i shift_right(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cv
 // isa_avx_vnni.cpp).
 struct MaddubsDot {
   static constexpr bool kSums32 = false;  // partials are 16-bit
+  static constexpr int kVectorRegisters = 16;
   static __m256i first(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
   static __m256i add(__m256i partial, __m256i u, __m256i s) {
     return _mm256_add_epi16(partial, _mm256_maddubs_epi16(u, s));
@@ -47,10 +48,12 @@ struct MaddubsDot {
 };
 
 // The policy of a vpdpbusd form (Instruction::dpbusd(acc, u, s): acc plus each lane's four
-// products), whose sums are 32-bit.
+// products), whose sums are 32-bit. Instruction::kVectorRegisters: the registers the form's
+// instruction set has (AVX-512's 32, AVX-VNNI's 16), which bounds the chains a kernel can keep.
 template <class Instruction>
 struct DpbusdDot {
   static constexpr bool kSums32 = true;
+  static constexpr int kVectorRegisters = Instruction::kVectorRegisters;
   static __m256i first(__m256i u, __m256i s) { return Instruction::dpbusd(_mm256_setzero_si256(), u, s); }
   static __m256i add(__m256i partial, __m256i u, __m256i s) { return Instruction::dpbusd(partial, u, s); }
   static __m256i widen(__m256i partial) { return partial; }
@@ -540,10 +543,11 @@ inline void q6_k_chunk_sums32(const uint8_t* pieces, const QuantizedRows& x, int
   }
 }
 
-// Half h of a Q6_K block (chunks 4h .. 4h + 3) at one or two rows with 32-bit sums: chunks
-// 4h + k and 4h + k + 2 read the same low pieces (low and high nibbles) and all four the same
-// high pieces, so a pair of chunks goes at once, four chains a row (two chunks, two halves)
-// side by side, each piece read once; the float steps then run in q6_k_chunk_sums32's order.
+// Half h of a Q6_K block (chunks 4h .. 4h + 3) with 32-bit sums, at one or two rows, or at up
+// to five with 32 vector registers: chunks 4h + k and 4h + k + 2 read the same low pieces (low
+// and high nibbles) and all four the same high pieces, so a pair of chunks goes at once, four
+// chains a row (two chunks, two halves) side by side, each piece read once; the float steps
+// then run in q6_k_chunk_sums32's order.
 template <int kRows, class Dot>
 inline void q6_k_half_block_sums32(const uint8_t* pieces, const QuantizedRows& x, int64_t r0, int64_t first_chunk,
                                    int h, const float (*scale)[kInterleavedRows], __m256* acc) {
@@ -612,7 +616,7 @@ void interleaved_q6_k_group_avx2(const uint8_t* group, const QuantizedRows& x, i
       _mm256_store_ps(scale[t], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
     }
     const uint8_t* pieces = block + kPieces;
-    if constexpr (Dot::kSums32 && kRows <= 2) {
+    if constexpr (Dot::kSums32 && (kRows <= 2 || Dot::kVectorRegisters >= 32)) {
       for (int h = 0; h < 2; ++h) q6_k_half_block_sums32<kRows, Dot>(pieces, x, r0, 8 * b + 4 * h, h, scale, acc);
       continue;
     }
