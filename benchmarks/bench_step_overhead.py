@@ -8,7 +8,7 @@ requests' mean step against its bytes floor (the weights and the KV cache a step
 read bandwidth measured right before and after them): what the products take beyond their share
 of the floor, and what attention, the rest of the region and the host add.
 
-    python benchmarks/bench_step_overhead.py [--requests 4] [--tokens 128]
+    python benchmarks/bench_step_overhead.py [--requests 4] [--tokens 128] [--model FILE.gguf]
 
 Run with PYTHONPATH=<another checkout>/python to measure another build: one from before the
 executor counts its one-region decode steps (decode_region_stats) instead.
@@ -31,9 +31,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the embedded model)")
     args = parser.parse_args()
 
-    llm = LLM(num_scheduler_steps=1)  # a region and the host's work around it, every step
+    llm = LLM(model=args.model, num_scheduler_steps=1)  # a region and the host's work around it, every step
     engine, runner = llm.engine, llm.engine.runner
     rng = random.Random(0)
     vocab = llm.tokenizer.vocab_size
