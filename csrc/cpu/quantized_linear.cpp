@@ -36,6 +36,8 @@ struct QuantizedLinearPlan {
   bool panels;       // the many-row path
   bool interleaved;  // the weight in kvflow's interleaved layout (gguf_blocks.h)
   int64_t num_panels() const { return (out_features + kPackedLinearPanel - 1) / kPackedLinearPanel; }
+  // Whether the int8 kernels read the input blocks' first-half sums (QuantizedRows::first_half_sum).
+  bool half_sums() const { return QuantFormat(format) == QuantFormat::kQ6_K; }
   int64_t panel_elems() const { return chunks * kQuantBlock * kPackedLinearPanel; }
 };
 
@@ -204,8 +206,7 @@ class QuantizedLinearNode final : public OpNode {
   explicit QuantizedLinearNode(const NodeArgs& args)
       : out_(args.tensor(0)), input_(args.tensor(1)), weight_(args.tensor(2)),
         geometry_(check_quantized_linear(out_, input_, weight_, args.integer(0), args.optional_tensor(3))),
-        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.chunks,
-                   QuantFormat(geometry_.format) == QuantFormat::kQ6_K) {
+        quantized_(geometry_.panels ? 0 : geometry_.rows, geometry_.chunks, geometry_.half_sums()) {
     // The bias in the dtype its path reads: bfloat16 for the panels' kernel, float32 (the model's
     // tensor itself where it is float32 already, read at every replay) for the int8 path.
     if (geometry_.panels) {
@@ -313,7 +314,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& input, const at::Tensor
     return;
   }
   const std::vector<float> bias_values = float_values(bias);
-  QuantizedInput x(g.rows, g.chunks, QuantFormat(g.format) == QuantFormat::kQ6_K);
+  QuantizedInput x(g.rows, g.chunks, g.half_sums());
   at::parallel_for(0, g.rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(size_t(g.chunks * kQuantBlock));
     x.quantize(input, begin, end, row.data());
