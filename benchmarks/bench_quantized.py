@@ -8,6 +8,9 @@ so that the machine's drift falls on both alike; the ratios are per pair.
   bandwidth measured right before and right after that engine's request (a sum over a 512 MB
   tensor); and the floor of every byte a step reads: those weights and the KV cache it attends
   over (128 + 64 positions on average);
+- the quantized weights' floor at the rate a sum over a tensor of their own size reads, measured
+  after each round's requests: where the weights fit in the last-level cache, they stream from it
+  faster than from memory, and this floor is the one their products are up against;
 - offline: 64 prompts of 128 random tokens at once, 128 tokens out each, output tokens per second
   of wall time (prefill included);
 - the resident memory a fresh process gains by loading each;
@@ -149,13 +152,15 @@ def measure(args) -> None:
             before = read_bandwidth("cpu")
             figures[name] = one_request(llm, ids, 128)
             bandwidth[name] = (before + read_bandwidth("cpu")) / 2
+        own_size_bandwidth = read_bandwidth("cpu", weight_bytes["quantized"])
         throughput = {name: offline(llm, prompts, 128) if prompts else float("nan") for name, llm in engines.items()}
-        row = {"round": round_ + 1, "bandwidth": bandwidth["quantized"]}
+        row = {"round": round_ + 1, "bandwidth": bandwidth["quantized"], "own_size_bandwidth": own_size_bandwidth}
         for name in engines:
             row[name] = {"ttft": figures[name][0], "tpot": figures[name][1],
                          "floor": weight_bytes[name] / (bandwidth[name] * 1e9),
                          "floor_kv": (weight_bytes[name] + kv_bytes[name]) / (bandwidth[name] * 1e9),
                          "offline": throughput[name]}
+        row["quantized"]["own_size_floor"] = weight_bytes["quantized"] / (own_size_bandwidth * 1e9)
         rows.append(row)
         print(row, flush=True)
 
@@ -167,15 +172,16 @@ def measure(args) -> None:
         f"{args.num_scheduler_steps} decode steps per schedule",
         "",
         "| round | GB/s | quantized TTFT (ms) | bf16 TTFT (ms) | TTFT ratio | quantized TPOT (ms) | bf16 TPOT (ms) "
-        "| TPOT ratio | quantized / its floor | with KV | bf16 / its floor | quantized offline tok/s "
-        "| bf16 offline tok/s | offline ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT ratio | quantized / its floor | with KV | GB/s at the weights' size | quantized / that floor "
+        "| bf16 / its floor | quantized offline tok/s | bf16 offline tok/s | offline ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         q, b = row["quantized"], row["bf16"]
         lines.append(f"| {row['round']} | {row['bandwidth']:.1f} | {q['ttft'] * 1e3:.0f} | {b['ttft'] * 1e3:.0f} | "
                      f"{q['ttft'] / b['ttft']:.2f} | {q['tpot'] * 1e3:.2f} | {b['tpot'] * 1e3:.2f} | "
                      f"{q['tpot'] / b['tpot']:.2f} | {q['tpot'] / q['floor']:.2f} | {q['tpot'] / q['floor_kv']:.2f} | "
+                     f"{row['own_size_bandwidth']:.1f} | {q['tpot'] / q['own_size_floor']:.2f} | "
                      f"{b['tpot'] / b['floor']:.2f} | "
                      f"{q['offline']:.0f} | {b['offline']:.0f} | {q['offline'] / b['offline']:.2f} |")
 
@@ -183,9 +189,12 @@ def measure(args) -> None:
                for key in ("ttft", "tpot", "offline")}
     floor_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor"] for row in rows)
     floor_kv_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["floor_kv"] for row in rows)
+    own_size_ratio = statistics.median(row["quantized"]["tpot"] / row["quantized"]["own_size_floor"] for row in rows)
     lines += ["", f"medians: quantized / bf16 TTFT {summary['ttft']:.2f}x, TPOT {summary['tpot']:.2f}x, offline "
                   f"throughput {summary['offline']:.2f}x; quantized TPOT {floor_ratio:.2f}x its weights' floor, "
-                  f"{floor_kv_ratio:.2f}x with the KV cache read ({kv_bytes['quantized'] / 1e6:.1f} MB a step)"]
+                  f"{floor_kv_ratio:.2f}x with the KV cache read ({kv_bytes['quantized'] / 1e6:.1f} MB a step); "
+                  f"{own_size_ratio:.2f}x the weights' floor at the rate a tensor of their size reads (from the "
+                  f"last-level cache if they fit in it)"]
     lines += ["", "| weights | weights read per token (MB) | RSS a fresh process gains by loading (MB) |", "|---|---:|---:|"]
     for name, dequantize in (("quantized", False), ("bf16", True)):
         lines.append(f"| {name} | {weight_bytes[name] / 1e6:.1f} | {loaded_rss(args.model, dequantize) / 1e6:.1f} |")

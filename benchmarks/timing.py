@@ -24,10 +24,12 @@ def timed(fn, device: str, warmup: int = 3, repeat: int = 10) -> float:
     return statistics.median(samples)
 
 
-def read_bandwidth(device: str = "cpu") -> float:
-    """The best GB/s of a sum over a 512 MB float32 tensor (reads only) over 10 tries: the limit
-    a memory-bound kernel is compared with, so fractions reported against it are conservative."""
-    x = torch.ones(128 << 20, dtype=torch.float32, device=device)
+def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:
+    """The best GB/s of a sum over a float32 tensor of nbytes (reads only) over 10 tries: the limit
+    a memory-bound kernel is compared with, so fractions reported against it are conservative.
+    512 MB reads memory on any CPU here; a tensor the size of a model's weights reads from the
+    last-level cache where they fit in it, as the weights do then."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     best = min(timed(lambda: x.sum(), device, 1 if i else 2, 1) for i in range(10))
     return x.numel() * 4 / best / 1e9
 
