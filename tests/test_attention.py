@@ -118,6 +118,26 @@ def test_head_dims_not_a_power_of_two(device, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("num_q,num_kv", [(9, 3), (10, 2), (8, 1)])
+def test_decode_over_a_few_hundred_keys_splits_them(device, dtype, head_dim, num_q, num_kv):
+    """One request (or three) decoding over tens to hundreds of keys on two threads, as a small
+    model's decode does: the CPU splits each request's keys in two and merges the halves.
+    Contexts on and past the edges of a 16-key chunk, a sliding window that hides a whole split
+    from the query, and a cap."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seq_len in [32, 33, 64, 65, 100, 191, 300]:
+            run_case(device, [1], [seq_len], num_q=num_q, num_kv=num_kv, head_dim=head_dim, dtype=dtype)
+        run_case(device, [1, 1, 1], [130, 77, 250], num_q=num_q, num_kv=num_kv, head_dim=head_dim, dtype=dtype,
+                 window=50)
+        run_case(device, [1], [150], num_q=num_q, num_kv=num_kv, head_dim=head_dim, dtype=dtype, cap=5.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_long_context_small_batch_splits_keys(device, dtype):
     # One decode request with a long context: the CPU splits its keys across threads and merges.
     run_case(device, [1], [1500], dtype=dtype)
