@@ -10,6 +10,7 @@
 #include <numeric>
 #include <vector>
 
+#include "kvflow/cpu/attention.h"
 #include "kvflow/cpu/batch_invariance.h"
 #include "kvflow/cpu/kernel_table.h"
 #include "op_checks.h"
@@ -249,8 +250,37 @@ class PagedAttentionNode final : public OpNode {
               share_of(num_tokens_, 1, turn.team, turn.tid), true);
   }
 
+  // With one item a thread (the key splits of one or a few decoding requests), thread tid's
+  // item's K and V, asked for while the products before the layer's attention run: a few tens of
+  // KB a thread from L3 or memory, which attention otherwise waits for (docs/benchmarks.md).
+  bool warms_early(int phase) const override { return phase == 0; }
+
+  void warm_early(int phase, const Turn& turn) const override {
+    if (phase != 0 || int64_t(plan_->items.size()) != turn.team) return;
+    const AttentionWorkItem& it = plan_->items[turn.tid];
+    const KeyRange keys = item_keys(args_, it);
+    const int32_t* block_table = args_.block_tables + it.request * args_.max_blocks_per_seq;
+    const int64_t row_bytes = args_.num_kv_heads * args_.head_dim * key_cache_.element_size();
+    const char* k = static_cast<const char*>(args_.key_cache);
+    const char* v = static_cast<const char*>(args_.value_cache);
+    int64_t budget = 192 << 10;  // the item's first keys, if it has more
+    for (int64_t c0 = keys.first_chunk; c0 < keys.hi && budget > 0; c0 += kKeyChunk) {
+      const int64_t slot = int64_t(block_table[c0 / args_.block_size]) * args_.block_size + c0 % args_.block_size;
+      const int64_t bytes = std::min<int64_t>(kKeyChunk, keys.hi - c0) * row_bytes;
+      for (int64_t byte = 0; byte < bytes; byte += 64) {
+        __builtin_prefetch(k + slot * row_bytes + byte, 0, 2);
+        __builtin_prefetch(v + slot * row_bytes + byte, 0, 2);
+      }
+      budget -= 2 * bytes;
+    }
+  }
+
   void run(int phase, const Turn& turn) override {
     if (phase == 0) {
+      if (int64_t(plan_->items.size()) == turn.team) {
+        plan_->kernel(args_, plan_->items.data(), turn.tid, turn.tid + 1);  // the item warm_early asked for
+        return;
+      }
       run_attention_items(*plan_, args_, next_item_);
     } else {
       const Range tokens = share_of(num_tokens_, 1, turn.team, turn.tid);

@@ -120,8 +120,16 @@ void CpuProgram::configure(const void* kernels, int64_t threads) {
     node->configure(threads);
     if (node->reads_step()) step_nodes_.push_back(node);
     for (int phase = 0; phase < node->phases(); ++phase) {
-      schedule_.push_back({node, phase, node->units(phase), node->phase_may_skip(phase), op_time_slot(ops_[i], phase)});
+      schedule_.push_back({node, phase, node->units(phase), node->phase_may_skip(phase), op_time_slot(ops_[i], phase), {}});
     }
+  }
+  // A phase that warms early does so as the shared phase before the one it follows starts.
+  for (size_t i = 0; i < schedule_.size(); ++i) {
+    if (!schedule_[i].node->warms_early(schedule_[i].phase)) continue;
+    size_t j = i;
+    while (j > 0 && schedule_[j - 1].units != kShared) --j;  // back past the row-local phases before it
+    if (j == 0) continue;
+    schedule_[j - 1].warmed_early.push_back(i);
   }
   configured_kernels_ = kernels;
   configured_threads_ = threads;
@@ -168,6 +176,10 @@ void CpuProgram::run(int64_t max_query_len, int64_t max_seq_len) {
         if (timed) times[i][2] = wait;
       }
       const int64_t run_start = timed ? now_ns() : 0;
+      for (size_t k : entry.warmed_early) {
+        const Entry& later = schedule_[k];
+        if (!later.may_skip || later.node->phase_active(later.phase)) later.node->warm_early(later.phase, turn);
+      }
       entry.node->run(entry.phase, turn);
       if (entry.units == kShared) warm_row_local_after(i, turn);
       if (timed) times[i] = {1, now_ns() - run_start, times[i][2]};

@@ -40,6 +40,7 @@ class CpuProgram {
     int64_t units;
     bool may_skip;
     int64_t timing_slot;  // the (op, phase) it counts under while op timing is on
+    std::vector<size_t> warmed_early;  // later entries whose lines this shared phase asks for as it starts
   };
 
   void configure(const void* kernels, int64_t threads);

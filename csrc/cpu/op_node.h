@@ -109,6 +109,17 @@ class OpNode {
     (void)phase;
     (void)turn;
   }
+  // Whether `phase` asks for lines a phase earlier than warm does: while the shared phase before
+  // the one it follows runs (the products before a layer's attention), for lines that come from
+  // far (another core, L3, memory) and are ready by then.
+  virtual bool warms_early(int phase) const {
+    (void)phase;
+    return false;
+  }
+  virtual void warm_early(int phase, const Turn& turn) const {
+    (void)phase;
+    (void)turn;
+  }
   // Whether the first phase is always shared, whatever the step: a barrier always precedes the
   // node, so memory read only by the nodes before it may be reused from it on.
   bool starts_shared() const { return units(0) == kShared; }
