@@ -256,28 +256,18 @@ class PagedAttentionNode final : public OpNode {
   bool warms_early(int phase) const override { return phase == 0; }
 
   void warm_early(int phase, const Turn& turn) const override {
-    if (phase != 0 || int64_t(plan_->items.size()) != turn.team) return;
-    const AttentionWorkItem& it = plan_->items[turn.tid];
-    const KeyRange keys = item_keys(args_, it);
-    const int32_t* block_table = args_.block_tables + it.request * args_.max_blocks_per_seq;
-    const int64_t row_bytes = args_.num_kv_heads * args_.head_dim * key_cache_.element_size();
-    const char* k = static_cast<const char*>(args_.key_cache);
-    const char* v = static_cast<const char*>(args_.value_cache);
-    int64_t budget = 192 << 10;  // the item's first keys, if it has more
-    for (int64_t c0 = keys.first_chunk; c0 < keys.hi && budget > 0; c0 += kKeyChunk) {
-      const int64_t slot = int64_t(block_table[c0 / args_.block_size]) * args_.block_size + c0 % args_.block_size;
-      const int64_t bytes = std::min<int64_t>(kKeyChunk, keys.hi - c0) * row_bytes;
-      for (int64_t byte = 0; byte < bytes; byte += 64) {
-        __builtin_prefetch(k + slot * row_bytes + byte, 0, 2);
-        __builtin_prefetch(v + slot * row_bytes + byte, 0, 2);
-      }
-      budget -= 2 * bytes;
+    if (phase != 0 || !one_item_a_thread(turn)) return;
+    // Only the element's size matters to the prefetch: bfloat16 stands for float16 too.
+    if (key_cache_.element_size() == 4) {
+      warm_item_keys<float>(plan_->items[turn.tid]);
+    } else {
+      warm_item_keys<bfloat16>(plan_->items[turn.tid]);
     }
   }
 
   void run(int phase, const Turn& turn) override {
     if (phase == 0) {
-      if (int64_t(plan_->items.size()) == turn.team) {
+      if (one_item_a_thread(turn)) {
         plan_->kernel(args_, plan_->items.data(), turn.tid, turn.tid + 1);  // the item warm_early asked for
         return;
       }
@@ -289,6 +279,22 @@ class PagedAttentionNode final : public OpNode {
   }
 
  private:
+  bool one_item_a_thread(const Turn& turn) const { return int64_t(plan_->items.size()) == turn.team; }
+
+  // The item's K and V, every kv head, chunk by chunk as the kernels ask for the next one: its
+  // first 192 KB, if it has more.
+  template <typename T>
+  void warm_item_keys(const AttentionWorkItem& it) const {
+    const KeyRange keys = item_keys(args_, it);
+    const int32_t* block_table = args_.block_tables + it.request * args_.max_blocks_per_seq;
+    int64_t budget = 192 << 10;
+    for (int64_t c0 = keys.first_chunk; c0 < keys.hi && budget > 0; c0 += kKeyChunk) {
+      const NextChunkPrefetch<T> chunk(args_, block_table, c0, keys.hi, 1);
+      chunk.issue(0);
+      budget -= 2 * chunk.bytes;
+    }
+  }
+
   at::Tensor out_, query_, key_cache_, value_cache_, block_tables_, cu_seqlens_q_, seq_lens_;
   double scale_, soft_cap_;
   int64_t sliding_window_;
